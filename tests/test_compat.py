@@ -1,0 +1,134 @@
+"""Draft/target compatibility verdicts, on tiny tokenizers trained inside the tests."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from specdec_core.compat import (
+    VOCAB_MAX_SIZE_DIFFERENCE,
+    Compatibility,
+    check_draft_compatibility,
+    check_folders,
+    compare_vocabularies,
+)
+
+SENTENCES = [
+    "def is_prime(n): return n > 1 and all(n % d for d in range(2, n))",
+    "The quick brown fox jumps over the lazy dog.",
+    "Speculative decoding drafts tokens and the target verifies them.",
+]
+SPECIALS = ["<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def train_tokenizer(
+    sentences: list[str], vocab_size: int = 120, specials: list[str] = SPECIALS, eos: str = "<|im_end|>"
+):
+    backend = Tokenizer(models.BPE(unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False)
+    backend.train_from_iterator(sentences, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=eos, unk_token="<unk>")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return train_tokenizer(SENTENCES)
+
+
+def test_identical_tokenizers_are_compatible_with_a_reason_naming_the_size(tokenizer):
+    verdict = check_draft_compatibility(tokenizer, tokenizer)
+    assert verdict == Compatibility(True, f"compatible: same {len(tokenizer.get_vocab())}-token vocabulary")
+
+
+def test_embedding_rows_differing_beyond_tolerance_are_refused_with_both_sizes(tokenizer):
+    verdict = check_draft_compatibility(tokenizer, tokenizer, target_vocab_size=151936, draft_vocab_size=49152)
+    assert verdict == Compatibility(False, "vocab 49152 vs 151936")
+
+
+def test_embedding_padding_within_llama_cpp_tolerance_is_accepted(tokenizer):
+    # Qwen2.5 0.5B pads its embedding to 151936 rows, 7B to 152064: 128 apart.
+    verdict = check_draft_compatibility(
+        tokenizer, tokenizer, target_vocab_size=152064, draft_vocab_size=152064 - VOCAB_MAX_SIZE_DIFFERENCE
+    )
+    assert verdict.compatible
+
+
+def test_tokenizers_trained_on_different_text_are_refused_naming_the_first_differing_id(tokenizer):
+    other = train_tokenizer(["completely different words here, zebra yak xylophone quartz"] * 3)
+    verdict = check_draft_compatibility(tokenizer, other)
+    assert not verdict.compatible
+    assert verdict.reason.startswith("token ")
+    assert "in the draft but" in verdict.reason and "in the target" in verdict.reason
+
+
+def test_one_swapped_token_is_reported_with_both_spellings():
+    target = {f"t{i}": i for i in range(40)}
+    draft = dict(target)
+    del draft["t17"]
+    draft["foo"] = 17
+    verdict = compare_vocabularies(target, draft)
+    assert verdict == Compatibility(False, "token 17 is 'foo' in the draft but 't17' in the target")
+
+
+def test_first_ids_may_differ_like_llama_cpp_allows():
+    target = {f"t{i}": i for i in range(40)}
+    draft = dict(target)
+    del draft["t1"]
+    draft["<s>"] = 1
+    verdict = compare_vocabularies(target, draft)
+    assert verdict.compatible
+    assert "35 shared tokens" in verdict.reason
+
+
+def test_draft_with_a_few_extra_tokens_is_compatible_when_shared_ids_agree():
+    target = {f"t{i}": i for i in range(40)}
+    draft = {**target, "extra1": 40, "extra2": 41}
+    verdict = compare_vocabularies(target, draft)
+    assert verdict.compatible
+    assert "vocab 42 vs 40" in verdict.reason
+
+
+def test_end_of_turn_token_with_another_id_is_refused_even_below_the_checked_range():
+    target = {f"t{i}": i for i in range(40)} | {"<|im_end|>": 2}
+    del target["t2"]
+    draft = {f"t{i}": i for i in range(40)} | {"<|im_end|>": 3}
+    del draft["t3"]
+    verdict = compare_vocabularies(target, draft, target_stops=["<|im_end|>"], draft_stops=["<|im_end|>"])
+    assert verdict == Compatibility(False, "stop token '<|im_end|>' is id 3 in the draft but id 2 in the target")
+
+
+def test_target_stop_token_missing_from_the_draft_is_refused(tokenizer):
+    draft = train_tokenizer(SENTENCES, specials=["<unk>", "<|endoftext|>", "<|im_start|>", "<|eot|>"], eos="<|eot|>")
+    verdict = check_draft_compatibility(tokenizer, draft)
+    assert not verdict.compatible
+    assert "'<|im_end|>' is id 3 in the target but missing in the draft" in verdict.reason
+
+
+def test_comparing_two_150k_token_vocabularies_takes_well_under_a_second():
+    target = {f"tok{i}": i for i in range(151_665)}
+    draft = dict(target)
+    draft["tok150000"], draft["tok150001"] = 150001, 150000
+    start = time.perf_counter()
+    verdict = compare_vocabularies(target, draft)
+    assert time.perf_counter() - start < 0.5
+    assert verdict.reason == "token 150000 is 'tok150001' in the draft but 'tok150000' in the target (1 more ids differ)"
+
+
+def write_folder(path: Path, tokenizer, vocab_size: int) -> Path:
+    tokenizer.save_pretrained(path)
+    (path / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": vocab_size}))
+    return path
+
+
+def test_check_folders_reads_tokenizers_and_config_sizes(tmp_path, tokenizer):
+    target = write_folder(tmp_path / "target", tokenizer, 151936)
+    same = write_folder(tmp_path / "same", tokenizer, 151936)
+    small = write_folder(tmp_path / "small", tokenizer, 49152)
+    assert check_folders(target, same).compatible
+    assert check_folders(target, small) == Compatibility(False, "vocab 49152 vs 151936")
