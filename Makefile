@@ -1,0 +1,32 @@
+# Two commands for a newcomer: `make run` and `make test`. Both create .venv on first use.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# The CPU build of torch keeps installs small and CI fast. GPU users:
+#   make TORCH_SPEC="torch" run     (or install CUDA torch into .venv yourself first)
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: run test lint venv clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -e ".[test]"
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/specdec chat
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check specdec_core app tests
+	QT_QPA_PLATFORM=offscreen $(PY) -m pytest -q -p no:cacheprovider
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check specdec_core app tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info
