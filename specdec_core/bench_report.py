@@ -1,0 +1,231 @@
+"""Rendering a `BenchReport`: the machine line, a markdown table, a bar chart.
+
+Kept apart from `bench` so the measuring code stays short; nothing here times anything.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+from .bench import BenchReport, GroupSummary, Result
+
+
+def machine_info() -> dict[str, Any]:
+    """What a reader needs to judge the numbers: CPU, cores, memory, threads, versions, load."""
+    import transformers
+
+    return {
+        "cpu": _cpu_model(),
+        "cores": os.cpu_count(),
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "os": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "load_average_start": [round(x, 2) for x in os.getloadavg()],
+        "git_commit": _git_commit(),
+    }
+
+
+def machine_line(machine: dict[str, Any]) -> str:
+    gpu = f", {machine['cuda']}" if machine.get("cuda") else ""
+    load = machine.get("load_average_start")
+    load_text = f", load {load[0]:.2f} at start" if load else ""
+    return (
+        f"{machine['cpu']}, {machine['cores']} cores ({machine['torch_threads']} torch threads), "
+        f"{machine['memory_gib']} GiB{gpu}; {machine['os']}; Python {machine['python']}, "
+        f"torch {machine['torch']}, transformers {machine['transformers']}{load_text}"
+    )
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            cwd=Path(__file__).parent,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None
+
+
+# -- markdown ----------------------------------------------------------------------
+
+
+def _x(v: float | None) -> str:
+    return "–" if v is None else f"{v:.2f}×"
+
+
+def _pct(v: float | None) -> str:
+    return "–" if v is None else f"{v:.0%}"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return lines
+
+
+def to_markdown(report: BenchReport) -> str:
+    """A readable report: config, machine, the bars, summary per method and category, every prompt."""
+    c = report.config
+    lines = [
+        "# specdec bench",
+        "",
+        f"- command: `{c.get('command', '')}`",
+        f"- target `{c['target']}`, draft `{c['draft']}`, {c['device']} · {c['precision']}, greedy, "
+        f"{c['max_new_tokens']} new tokens, {c['repeats']} repeat(s) (median), {c['prompts']} prompts",
+        f"- machine: {machine_line(report.machine)}",
+        "",
+        "## Targets (issue 4)",
+        "",
+    ]
+    lines += _table(
+        ["bar", "goal", "measured", "met"],
+        [
+            [t.name, t.goal, _x(t.value) if "identity" not in t.name else _pct(t.value), _met(t.met)]
+            for t in report.targets
+        ],
+    )
+    lines += ["", "## Summary (geometric mean of per-prompt speedups)", ""]
+    lines += _summary_table(report.summary)
+    categories = [g for g in next(iter(report.summary.values()), {}) if g != "all"]
+    lines += ["", "## Speedup vs `target` by category", ""]
+    lines += _table(
+        ["method", *categories],
+        [
+            [m, *[_x(groups[g].geomean_speedup_vs_target) if g in groups else "–" for g in categories]]
+            for m, groups in report.summary.items()
+        ],
+    )
+    lines += ["", "## Every prompt", ""]
+    lines += _results_table(report.results)
+    return "\n".join(lines) + "\n"
+
+
+def _met(met: bool | None) -> str:
+    return "n/a" if met is None else ("yes" if met else "**no**")
+
+
+def _summary_table(summary: dict[str, dict[str, GroupSummary]]) -> list[str]:
+    rows = []
+    for method, groups in summary.items():
+        s = groups["all"]
+        rows.append(
+            [
+                method,
+                f"{s.median_tokens_per_s:.2f}",
+                _x(s.geomean_speedup_vs_target),
+                _x(s.geomean_speedup_vs_hf_assisted),
+                f"{s.worst_prompt} ({_x(s.worst_speedup_vs_target)})",
+                _pct(s.identity_rate),
+                _pct(s.mean_acceptance_rate),
+                "–" if s.geomean_efficiency is None else f"{s.geomean_efficiency:.2f}",
+            ]
+        )
+    return _table(
+        [
+            "method",
+            "median tok/s",
+            "vs target",
+            "vs hf-assisted",
+            "worst prompt",
+            "identical",
+            "acceptance",
+            "efficiency",
+        ],
+        rows,
+    )
+
+
+def _results_table(results: list[Result]) -> list[str]:
+    rows = []
+    for r in results:
+        e = r.engine
+        rows.append(
+            [
+                r.prompt_id,
+                r.method,
+                str(r.new_tokens),
+                f"{r.tokens_per_s:.2f}",
+                _x(r.speedup_vs_target),
+                "yes" if r.identical_to_target else f"**no** (token {r.first_divergence})",
+                "–" if e is None or e.mean_k == 0 else f"{e.acceptance_rate:.0%}",
+                "–" if e is None or e.mean_k == 0 else f"{e.mean_accepted_length:.2f}",
+                "–" if e is None or e.mean_k == 0 else f"{e.mean_k:.1f}",
+                "–" if e is None or e.mean_k == 0 else _x(e.theoretical_speedup),
+                "–" if e is None or e.mean_k == 0 else f"{e.efficiency:.2f}",
+            ]
+        )
+    return _table(
+        [
+            "prompt",
+            "method",
+            "tokens",
+            "tok/s",
+            "vs target",
+            "identical",
+            "α",
+            "tokens/verify",
+            "mean k",
+            "bound",
+            "efficiency",
+        ],
+        rows,
+    )
+
+
+# -- plot --------------------------------------------------------------------------
+
+
+def plot_speedups(report: BenchReport, path: Path) -> None:
+    """Grouped bars: geomean speedup vs `target` per category (and overall), one bar per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display needed; safe in tests and on servers
+    import matplotlib.pyplot as plt
+
+    methods = [m for m in report.summary if m != "target"]
+    groups = [g for g in next(iter(report.summary.values()), {}) if g != "all"] + ["all"]
+    width = 0.8 / max(1, len(methods))
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.3 * len(groups) + 2), 4.5))
+    for i, method in enumerate(methods):
+        values = [
+            report.summary[method][g].geomean_speedup_vs_target or 0.0 if g in report.summary[method] else 0.0
+            for g in groups
+        ]
+        xs = [j + (i - (len(methods) - 1) / 2) * width for j in range(len(groups))]
+        ax.bar(xs, values, width, label=method)
+    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    ax.set_xticks(range(len(groups)), groups, rotation=20, ha="right")
+    ax.set_ylabel("speedup vs target alone (geomean)")
+    c = report.config
+    ax.set_title(
+        f"{Path(str(c['target'])).name} · {c['device']} {c['precision']} · {c['max_new_tokens']} tokens"
+    )
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
