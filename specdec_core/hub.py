@@ -101,7 +101,7 @@ def download_snapshot(
 def cached_models() -> list[CachedModel]:
     """Every model repo in the local HF cache whose snapshot looks loadable (has config.json)."""
     try:
-        info = scan_cache_dir()
+        info = scan_cache_dir(hub_constants.HF_HUB_CACHE)
     except CacheNotFound:
         return []
     found = []
