@@ -142,7 +142,8 @@ class ModelDrafter:
             return EMPTY_DRAFT
         start = time.perf_counter()
         forwards_before = self.runner.forwards
-        cached = self.runner.sync(tokens)
+        # Keep at most all-but-the-last token: the first forward needs an input.
+        cached = self.runner.sync(tokens[:-1])
         # Catch up on committed tokens the cache lacks (e.g. the last draft token and
         # the bonus token after an all-accepted step), then draft one token per forward.
         pending = list(tokens[cached:])

@@ -43,6 +43,8 @@ class GenerationParams:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    # Reproducible for a pinned draft_length; with adaptive k the number of random draws
+    # follows measured timings, so the text may vary (its distribution never does).
     seed: int | None = None
     draft_length: int | None = None  # None = adaptive; an int pins k
     max_draft_length: int = 8

@@ -1,0 +1,32 @@
+"""Shared fixtures: tiny models and tokenizers built in-process (no network)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # unit tests never reach a hub
+
+from tiny import tiny_model, tiny_tokenizer  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def target(tokenizer):
+    return tiny_model(len(tokenizer), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_folder(tmp_path_factory, tokenizer, target) -> Path:
+    """An HF folder (config, safetensors, tokenizer) holding the tiny target."""
+    folder = tmp_path_factory.mktemp("tiny-target")
+    target.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
