@@ -1,0 +1,100 @@
+"""The adaptive draft length follows measured costs and acceptance."""
+
+from __future__ import annotations
+
+from tiny import tiny_model
+
+from specdec_core.adaptive import AcceptanceEstimate, CostModel, DraftLengthController
+from specdec_core.drafters import ModelDrafter
+from specdec_core.engine import GenerationParams, SpeculativeEngine
+from specdec_core.stats import theoretical_speedup
+
+
+def controller_with(verify: dict[int, float], draft_token: float, accepted_runs: list[tuple[int, int]]):
+    c = DraftLengthController(max_k=8, costs=CostModel(verify=dict(verify), draft_token=draft_token))
+    for proposed, accepted in accepted_runs:
+        c.observe(proposed, accepted)
+    return c
+
+
+def test_cheap_verify_and_high_acceptance_draft_long():
+    # GPU-like: verifying 9 tokens costs barely more than 1; draft is 5% of the target.
+    c = controller_with({1: 0.020, 9: 0.021}, 0.001, [(8, 8)] * 30)
+    assert c.choose_k(drafter_is_model=True) >= 6
+
+
+def test_verify_cost_growing_per_token_turns_speculation_off():
+    # Each extra verified token costs a full step: speculation cannot pay.
+    c = controller_with({1: 0.1, 2: 0.2, 5: 0.5}, 0.03, [(4, 4)] * 30)
+    assert c.choose_k(drafter_is_model=True) == 0
+
+
+def test_low_acceptance_turns_speculation_off():
+    c = controller_with({1: 0.10, 5: 0.13}, 0.03, [(4, 0)] * 30)
+    assert c.choose_k(drafter_is_model=True) == 0
+
+
+def test_expensive_draft_turns_speculation_off():
+    c = controller_with({1: 0.10, 5: 0.11}, 0.12, [(4, 2)] * 30)
+    assert c.choose_k(drafter_is_model=True) == 0
+
+
+def test_cpu_like_costs_pick_a_moderate_k():
+    # Shaped after this 2-core CPU: a verify of m tokens costs ~ (1 + 0.12 (m-1)) steps.
+    verify = {m: 0.25 * (1 + 0.12 * (m - 1)) for m in (1, 2, 4, 8)}
+    c = controller_with(verify, 0.06, [(4, 3), (4, 4), (4, 2), (4, 4)] * 10)
+    assert 2 <= c.choose_k(drafter_is_model=True) <= 6
+
+
+def test_plain_steps_are_interrupted_by_periodic_probes():
+    c = controller_with({1: 0.1, 2: 0.2}, 0.05, [(2, 0)] * 20)
+    c.probe_every = 5
+    choices = [c.choose_k(drafter_is_model=True) for _ in range(10)]
+    assert choices.count(0) == 8
+    assert choices[4] > 0 and choices[9] > 0
+
+
+def test_pinned_k_is_obeyed():
+    c = controller_with({1: 0.1, 2: 0.2}, 0.05, [(2, 0)] * 20)
+    c.pinned = 5
+    assert c.choose_k(drafter_is_model=True) == 5
+
+
+def test_cost_model_uses_measurements_and_fits_the_rest():
+    costs = CostModel(verify={1: 1.0, 3: 2.0})
+    assert costs.verify_seconds(1) == 1.0
+    assert abs(costs.verify_seconds(5) - 3.0) < 1e-9  # the line through (1, 1) and (3, 2)
+    assert CostModel().verify_seconds(1) is None
+
+
+def test_acceptance_estimate_is_per_position():
+    est = AcceptanceEstimate(max_k=4, prior_weight=0.5)
+    for _ in range(50):
+        est.observe(proposed=4, accepted=1)  # position 1 always accepted, position 2 never
+    assert est.rate(0) > 0.9
+    assert est.rate(1) < 0.2
+    assert 1.9 < est.expected_tokens(1) < 2.0
+
+
+def test_theoretical_speedup_formula():
+    assert theoretical_speedup(0.0, 4, 0.1) == 1 / 1.4
+    assert abs(theoretical_speedup(0.8, 4, 0.0) - (1 - 0.8**5) / 0.2) < 1e-12
+    assert theoretical_speedup(1.0, 3, 0.0) == 4.0
+    assert theoretical_speedup(0.5, 0, 0.5) == 1.0
+
+
+def test_unpredictable_draft_is_switched_off_in_a_real_run(tokenizer, target):
+    # A random draft as costly as the target: the engine must mostly run plain steps.
+    engine = SpeculativeEngine(target, tokenizer, ModelDrafter(tiny_model(len(tokenizer), seed=9), "random"))
+    engine.calibrate()
+    prompt = tokenizer("def add(a, b):")["input_ids"]
+    done = list(engine.generate(prompt, GenerationParams(max_new_tokens=60)))[-1]
+    assert done.stats.k_histogram.get(0, 0) >= 0.7 * done.stats.steps
+
+
+def test_calibration_measures_target_and_draft_costs(tokenizer, target):
+    engine = SpeculativeEngine(target, tokenizer, ModelDrafter(tiny_model(len(tokenizer), seed=1), "d"))
+    costs = engine.calibrate(sizes=(1, 4))
+    assert set(costs.verify) == {1, 4}
+    assert costs.draft_token is not None and costs.draft_token > 0
+    assert engine.target.ids == []  # calibration leaves no context behind
