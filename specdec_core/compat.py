@@ -40,7 +40,6 @@ END_OF_TURN_TOKENS = (
     "<|eom_id|>",
     "<end_of_turn>",  # Gemma
     "<|end|>",  # Phi-3
-    "</s>",
 )
 
 
@@ -72,8 +71,8 @@ def check_draft_compatibility(
     """
     target_vocab = target_tokenizer.get_vocab()
     draft_vocab = draft_tokenizer.get_vocab()
-    target_stops = _stop_tokens(target_tokenizer, target_vocab)
-    draft_stops = _stop_tokens(draft_tokenizer, draft_vocab)
+    target_stops = stop_tokens(target_tokenizer, target_vocab)
+    draft_stops = stop_tokens(draft_tokenizer, draft_vocab)
     return compare_vocabularies(
         target_vocab,
         draft_vocab,
@@ -160,8 +159,16 @@ def _check_sizes(
     return None
 
 
-def _stop_tokens(tokenizer: TokenizerLike, vocab: Mapping[str, int]) -> list[str]:
-    stops = [token for token in END_OF_TURN_TOKENS if token in vocab]
+def stop_tokens(tokenizer: TokenizerLike, vocab: Mapping[str, int] | None = None) -> list[str]:
+    """The tokenizer's EOS and the end-of-turn tokens it defines as added (special) tokens.
+
+    Only added tokens count: in Qwen's byte-level vocabulary "</s>" is an ordinary
+    merge (id 128247) that a model may well write in the middle of an answer.
+    """
+    vocab = tokenizer.get_vocab() if vocab is None else vocab
+    get_added = getattr(tokenizer, "get_added_vocab", None)
+    special = get_added() if callable(get_added) else vocab
+    stops = [token for token in END_OF_TURN_TOKENS if token in special]
     eos = getattr(tokenizer, "eos_token", None)
     if isinstance(eos, str) and eos in vocab and eos not in stops:
         stops.insert(0, eos)

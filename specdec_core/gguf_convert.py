@@ -37,6 +37,8 @@ from .progress import Progress, ProgressCallback, check_cancelled
 
 CACHE_ENV = "SPECDEC_CACHE_DIR"
 MARKER = "specdec.json"  # written last into a converted folder: its presence means "complete"
+# Bumped whenever what a conversion writes changes, so that older folders are redone.
+CONVERSION_FORMAT = 1
 HASH_BLOCK = 8 * 1024 * 1024
 
 # Writes an HF folder for the GGUF at the first path into the (empty) second path.
@@ -68,7 +70,12 @@ def converted_path(sha256: str) -> Path:
 
 
 def is_converted(folder: Path) -> bool:
-    return (folder / MARKER).is_file()
+    """A complete folder written by this version's conversion."""
+    try:
+        marker = json.loads((folder / MARKER).read_text(encoding="utf-8"))
+    except (FileNotFoundError, NotADirectoryError, json.JSONDecodeError):
+        return False
+    return marker.get("format") == CONVERSION_FORMAT
 
 
 # --- hashing, remembered so that a 1 GB file is read once, not at every start ---------
@@ -172,7 +179,12 @@ def convert_gguf(
     try:
         (converter or convert_with_transformers)(gguf_path, tmp)
         check_cancelled(cancel)  # the conversion itself cannot be interrupted; honour a cancel now
-        marker = {"source": str(gguf_path.resolve()), "sha256": sha256, "size": gguf_path.stat().st_size}
+        marker = {
+            "format": CONVERSION_FORMAT,
+            "source": str(gguf_path.resolve()),
+            "sha256": sha256,
+            "size": gguf_path.stat().st_size,
+        }
         (tmp / MARKER).write_text(json.dumps(marker, indent=1), encoding="utf-8")
         _rename_into_place(tmp, final)
     finally:
@@ -239,11 +251,10 @@ def _plain_generation_config(tokenizer):
     """
     from transformers import GenerationConfig
 
-    from .compat import END_OF_TURN_TOKENS
+    from .compat import stop_tokens
 
     vocab = tokenizer.get_vocab()
-    eos_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    eos_ids += [vocab[token] for token in END_OF_TURN_TOKENS if token in vocab and vocab[token] not in eos_ids]
+    eos_ids = [vocab[token] for token in stop_tokens(tokenizer, vocab)]
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos_ids[0] if eos_ids else None)
     return GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=eos_ids or None, pad_token_id=pad_id)
 

@@ -16,6 +16,7 @@ from specdec_core.compat import (
     check_draft_compatibility,
     check_folders,
     compare_vocabularies,
+    stop_tokens,
 )
 
 SENTENCES = [
@@ -47,7 +48,9 @@ def test_identical_tokenizers_are_compatible_with_a_reason_naming_the_size(token
 
 
 def test_embedding_rows_differing_beyond_tolerance_are_refused_with_both_sizes(tokenizer):
-    verdict = check_draft_compatibility(tokenizer, tokenizer, target_vocab_size=151936, draft_vocab_size=49152)
+    verdict = check_draft_compatibility(
+        tokenizer, tokenizer, target_vocab_size=151936, draft_vocab_size=49152
+    )
     assert verdict == Compatibility(False, "vocab 49152 vs 151936")
 
 
@@ -100,11 +103,15 @@ def test_end_of_turn_token_with_another_id_is_refused_even_below_the_checked_ran
     draft = {f"t{i}": i for i in range(40)} | {"<|im_end|>": 3}
     del draft["t3"]
     verdict = compare_vocabularies(target, draft, target_stops=["<|im_end|>"], draft_stops=["<|im_end|>"])
-    assert verdict == Compatibility(False, "stop token '<|im_end|>' is id 3 in the draft but id 2 in the target")
+    assert verdict == Compatibility(
+        False, "stop token '<|im_end|>' is id 3 in the draft but id 2 in the target"
+    )
 
 
 def test_target_stop_token_missing_from_the_draft_is_refused(tokenizer):
-    draft = train_tokenizer(SENTENCES, specials=["<unk>", "<|endoftext|>", "<|im_start|>", "<|eot|>"], eos="<|eot|>")
+    draft = train_tokenizer(
+        SENTENCES, specials=["<unk>", "<|endoftext|>", "<|im_start|>", "<|eot|>"], eos="<|eot|>"
+    )
     verdict = check_draft_compatibility(tokenizer, draft)
     assert not verdict.compatible
     assert "'<|im_end|>' is id 3 in the target but missing in the draft" in verdict.reason
@@ -117,7 +124,10 @@ def test_comparing_two_150k_token_vocabularies_takes_well_under_a_second():
     start = time.perf_counter()
     verdict = compare_vocabularies(target, draft)
     assert time.perf_counter() - start < 0.5
-    assert verdict.reason == "token 150000 is 'tok150001' in the draft but 'tok150000' in the target (1 more ids differ)"
+    assert (
+        verdict.reason
+        == "token 150000 is 'tok150001' in the draft but 'tok150000' in the target (1 more ids differ)"
+    )
 
 
 def write_folder(path: Path, tokenizer, vocab_size: int) -> Path:
@@ -132,3 +142,20 @@ def test_check_folders_reads_tokenizers_and_config_sizes(tmp_path, tokenizer):
     small = write_folder(tmp_path / "small", tokenizer, 49152)
     assert check_folders(target, same).compatible
     assert check_folders(target, small) == Compatibility(False, "vocab 49152 vs 151936")
+
+
+class VocabOnly:
+    def __init__(self, vocab: dict[str, int], added: dict[str, int], eos: str):
+        self.vocab, self.added, self.eos_token = vocab, added, eos
+
+    def get_vocab(self) -> dict[str, int]:
+        return self.vocab
+
+    def get_added_vocab(self) -> dict[str, int]:
+        return self.added
+
+
+def test_only_added_tokens_count_as_end_of_turn_markers():
+    # In Qwen's byte-level vocabulary "</s>" is an ordinary merge a model may write mid-answer.
+    tokenizer = VocabOnly({"</s>": 7, "<|endoftext|>": 8, "<|im_end|>": 9}, {"<|endoftext|>": 8, "<|im_end|>": 9}, "<|im_end|>")
+    assert stop_tokens(tokenizer) == ["<|im_end|>", "<|endoftext|>"]

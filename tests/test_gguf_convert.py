@@ -148,7 +148,9 @@ def write_tiny_llama_gguf(path: Path) -> Path:
         vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
     )  # fmt: skip
-    backend.train_from_iterator(["def is_prime(n): return n > 1", "hello world, speculative decoding"] * 5, trainer)
+    backend.train_from_iterator(
+        ["def is_prime(n): return n > 1", "hello world, speculative decoding"] * 5, trainer
+    )
     model = json.loads(backend.to_str())["model"]
     tokens = sorted(model["vocab"], key=model["vocab"].get)
     merges = [" ".join(m) if isinstance(m, list) else m for m in model["merges"]]
@@ -177,7 +179,9 @@ def write_tiny_llama_gguf(path: Path) -> Path:
     rng = np.random.default_rng(0)
 
     def add_q8(name: str, shape: tuple[int, int]) -> None:
-        data = gguf.quants.quantize(rng.normal(0, 0.3, shape).astype(np.float32), gguf.GGMLQuantizationType.Q8_0)
+        data = gguf.quants.quantize(
+            rng.normal(0, 0.3, shape).astype(np.float32), gguf.GGMLQuantizationType.Q8_0
+        )
         writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
 
     kv = HIDDEN * KV_HEADS // HEADS
@@ -211,8 +215,11 @@ def test_a_real_gguf_converts_to_a_plain_folder_with_identical_weights_and_greed
     assert "quantization_config" not in config and config["dtype"] == "float32"
     generation = json.loads((folder / "generation_config.json").read_text())
     assert set(generation) - {"transformers_version"} == {"bos_token_id", "eos_token_id", "pad_token_id"}
+    assert generation["eos_token_id"] == [2, 0]  # the file's EOS <|im_end|>, then <|endoftext|>
 
-    from_gguf = AutoModelForCausalLM.from_pretrained(str(tiny_gguf.parent), gguf_file=tiny_gguf.name, dtype=torch.float32)
+    from_gguf = AutoModelForCausalLM.from_pretrained(
+        str(tiny_gguf.parent), gguf_file=tiny_gguf.name, dtype=torch.float32
+    )
     converted = AutoModelForCausalLM.from_pretrained(folder)
     gguf_weights, folder_weights = from_gguf.state_dict(), converted.state_dict()
     assert gguf_weights.keys() == folder_weights.keys()
@@ -220,9 +227,14 @@ def test_a_real_gguf_converts_to_a_plain_folder_with_identical_weights_and_greed
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
     assert tokenizer.chat_template == CHAT_TEMPLATE
-    assert tokenizer.get_vocab() == AutoTokenizer.from_pretrained(str(tiny_gguf.parent), gguf_file=tiny_gguf.name).get_vocab()
+    assert (
+        tokenizer.get_vocab()
+        == AutoTokenizer.from_pretrained(str(tiny_gguf.parent), gguf_file=tiny_gguf.name).get_vocab()
+    )
     prompt = tokenizer("def is_prime", return_tensors="pt").input_ids
-    expected = from_gguf.generate(prompt, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+    expected = from_gguf.generate(
+        prompt, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
     actual = converted.generate(prompt, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
     assert torch.equal(expected, actual)
 
