@@ -97,6 +97,9 @@ def load_model(
         progress(Progress(f"Loading {Path(ref).name or ref} ({device} · {precision})", 0, 0))
     tokenizer = _load_tokenizer(path, ref)
     model = _load_weights(path, ref, device, precision)
+    rows = model.get_input_embeddings().num_embeddings
+    if len(tokenizer) > rows:
+        raise ModelLoadError(f"{ref}: its tokenizer has {len(tokenizer)} tokens but the model embeds only {rows}")
     check_cancelled(cancel)
     return LoadedModel(
         ref=ref, path=path, model=model, tokenizer=tokenizer, device=device, precision=precision
