@@ -10,7 +10,7 @@ import pytest
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # unit tests never reach a hub
 
-from tiny import tiny_model, tiny_tokenizer  # noqa: E402
+from tiny import tiny_model, tiny_tokenizer
 
 
 @pytest.fixture(scope="session")
