@@ -74,6 +74,7 @@ class ModelEntry:
     family: str  # "Qwen2.5-Coder"
     params: str  # "1.5B", as people say it
     vocab: str  # tokenizer family key; the same key means a candidate draft/target pair
+    vocab_size: int  # embedding rows (config.json's vocab_size), for verdicts before a download
     roles: tuple[str, ...]  # "target", "draft"
     quantization: str  # "Q4_K_M", "bf16": what the weights are before we load them
     size_bytes: int  # what a fetch downloads (approximate for hub sources)
@@ -128,6 +129,7 @@ def _parse_entry(item: dict[str, Any]) -> ModelEntry:
         family=item["family"],
         params=item["params"],
         vocab=item["vocab"],
+        vocab_size=int(item["vocab_size"]),
         roles=tuple(item["roles"]),
         quantization=item["quantization"],
         size_bytes=int(item["size_bytes"]),

@@ -281,7 +281,7 @@ def list_cache() -> list[CacheItem]:
             items.append(CacheItem("partial", path, _tree_size(path), "unfinished conversion"))
             continue
         source = json.loads((path / MARKER).read_text(encoding="utf-8")).get("source", "?")
-        items.append(CacheItem("converted", path, _tree_size(path), f"from {source}"))
+        items.append(CacheItem("converted", path, _tree_size(path), f"from {Path(source).name}"))
     return items
 
 

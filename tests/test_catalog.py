@@ -20,6 +20,7 @@ from specdec_core.catalog import (
     load_catalog,
     parse_catalog,
 )
+from specdec_core.compat import VOCAB_MAX_SIZE_DIFFERENCE
 from specdec_core.errors import Cancelled, FetchError, ModelLoadError
 from specdec_core.refs import is_model_present, resolve_model_ref
 
@@ -68,6 +69,7 @@ def test_every_recommended_draft_shares_its_targets_vocabulary_and_is_smaller():
             assert draft.vocab == entry.vocab, (entry.name, name)
             assert "draft" in draft.roles
             assert draft.size_bytes < entry.size_bytes * 1.5, (entry.name, name)
+            assert abs(draft.vocab_size - entry.vocab_size) <= VOCAB_MAX_SIZE_DIFFERENCE, (entry.name, name)
 
 
 def test_there_are_hub_pairs_for_gpu_users_in_several_families():
@@ -87,7 +89,7 @@ def test_names_are_matched_case_insensitively_and_typos_get_suggestions():
 def test_a_catalog_whose_parts_do_not_add_up_is_rejected():
     part = {"package": "p", "version": "1", "member": "p/data/part01.bin", "size": 10, "sha256": "0" * 64}
     entry = {
-        "name": "broken", "family": "x", "params": "1B", "vocab": "x", "roles": ["target"], "quantization": "Q4",
+        "name": "broken", "family": "x", "params": "1B", "vocab": "x", "vocab_size": 9, "roles": ["target"], "quantization": "Q4",
         "size_bytes": 11, "description": "",
         "source": {"kind": "package-index", "file_name": "b.gguf", "size": 11, "sha256": "0" * 64, "parts": [part]},
     }  # fmt: skip
@@ -96,7 +98,9 @@ def test_a_catalog_whose_parts_do_not_add_up_is_rejected():
 
 
 def test_an_unknown_reference_names_what_was_tried():
-    with pytest.raises(ModelLoadError, match=r"model not found: \./nowhere/model\.gguf \(no such file or folder\)"):
+    with pytest.raises(
+        ModelLoadError, match=r"model not found: \./nowhere/model\.gguf \(no such file or folder\)"
+    ):
         resolve_model_ref("./nowhere/model.gguf")
     with pytest.raises(ModelLoadError, match="unknown model 'definitely-not-a-model'"):
         resolve_model_ref("definitely-not-a-model")
@@ -145,7 +149,9 @@ def test_an_empty_hf_cache_lists_nothing(hf_cache):
 
 
 def test_offline_mode_fails_at_once_with_a_reason(hf_cache):
-    with pytest.raises(FetchError, match="acme/absent is not in the local HF cache and HF_HUB_OFFLINE is set"):
+    with pytest.raises(
+        FetchError, match="acme/absent is not in the local HF cache and HF_HUB_OFFLINE is set"
+    ):
         hub.download_snapshot("acme/absent")
 
 
@@ -169,7 +175,9 @@ def test_a_hub_that_accepts_but_never_answers_times_out(online):
         silent.listen()
         start = time.perf_counter()
         with pytest.raises(FetchError, match="the model hub is unreachable"):
-            hub.download_snapshot("acme/absent", endpoint=f"http://127.0.0.1:{silent.getsockname()[1]}", timeout_s=0.5)
+            hub.download_snapshot(
+                "acme/absent", endpoint=f"http://127.0.0.1:{silent.getsockname()[1]}", timeout_s=0.5
+            )
         assert time.perf_counter() - start < 5
 
 
