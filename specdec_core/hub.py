@@ -95,6 +95,11 @@ def download_snapshot(
         )  # fmt: skip
     except (TransportError, HfHubHTTPError) as error:
         raise FetchError(f"downloading {repo_id} from the model hub failed: {_first_line(error)}") from None
+    if not (Path(folder) / "config.json").is_file():
+        raise FetchError(
+            f"{repo_id} holds no config.json (a GGUF-only repository?): download one of its .gguf files "
+            "and pass its path"
+        )
     return Path(folder)
 
 

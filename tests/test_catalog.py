@@ -205,3 +205,17 @@ def test_hub_downloads_report_bytes_and_can_be_cancelled(online, monkeypatch):
         hub.download_snapshot("acme/big", progress=progress, cancel=cancel)
     assert [(e.done, e.total) for e in seen] == [(100, 1000), (200, 1000), (300, 1000)]
     assert seen[0].stage == "Downloading acme/big"
+
+
+def test_a_gguf_only_hub_repository_is_refused_with_what_to_do_instead(online, monkeypatch, tmp_path):
+    monkeypatch.setattr(hub, "_check_repo", lambda *args: None)
+
+    def fake_snapshot_download(repo_id, **kwargs):
+        if kwargs.get("local_files_only"):
+            raise hub.LocalEntryNotFoundError("not cached")
+        (tmp_path / "README.md").write_text("only .gguf files here")
+        return str(tmp_path)
+
+    monkeypatch.setattr(hub, "snapshot_download", fake_snapshot_download)
+    with pytest.raises(FetchError, match=r"acme/model-GGUF holds no config\.json .*pass its path"):
+        hub.download_snapshot("acme/model-GGUF")
