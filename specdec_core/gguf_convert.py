@@ -12,6 +12,7 @@ Layout of the cache (`cache_dir()`, overridable with SPECDEC_CACHE_DIR):
     downloads/<catalog name>/         verified chunks of an unfinished fetch (resume)
     converted/<sha256[:16]>/          converted HF folders, keyed by the GGUF's content
     hashes.json                       sha256 of local GGUF files by path, size and mtime
+    locks/                            so that two specdec processes never convert one file at once
 
 Keying by content, not by path, means the same file found in two places (LM Studio's
 folder and a download) converts once, and a changed file converts again. A folder
@@ -33,6 +34,7 @@ from pathlib import Path
 import platformdirs
 
 from .errors import ModelLoadError
+from .fetch import exclusive
 from .progress import Progress, ProgressCallback, check_cancelled
 
 CACHE_ENV = "SPECDEC_CACHE_DIR"
@@ -168,11 +170,27 @@ def convert_gguf(
     if is_converted(final):
         return final
     check_cancelled(cancel)
+    converted_dir().mkdir(parents=True, exist_ok=True)
+    lock = cache_dir() / "locks" / f"convert-{sha256[:16]}.lock"
+    lock.parent.mkdir(exist_ok=True)
+    with exclusive(lock, f"another specdec is converting {label}", progress, cancel):
+        if not is_converted(final):  # else another process converted it while we waited
+            _convert_into(final, gguf_path, sha256, label, progress, cancel, converter)
+    return final
+
+
+def _convert_into(
+    final: Path,
+    gguf_path: Path,
+    sha256: str,
+    label: str,
+    progress: ProgressCallback | None,
+    cancel: threading.Event | None,
+    converter: Converter | None,
+) -> None:
     if progress is not None:
         # transformers' GGUF loader cannot report its progress: an indeterminate bar.
         progress(Progress(f"Converting {label} (first use only, about a minute)", 0, 0))
-
-    converted_dir().mkdir(parents=True, exist_ok=True)
     tmp = converted_dir() / f".tmp-{sha256[:16]}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
@@ -189,7 +207,6 @@ def convert_gguf(
         _rename_into_place(tmp, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return final
 
 
 def _rename_into_place(tmp: Path, final: Path) -> None:
@@ -274,7 +291,7 @@ def list_cache() -> list[CacheItem]:
     items = []
     for path in sorted(fetched_gguf_dir().glob("*/*.gguf")):
         items.append(CacheItem("gguf", path, path.stat().st_size, path.parent.name))
-    for path in sorted(downloads_dir().glob("*")):
+    for path in sorted(p for p in downloads_dir().glob("*") if p.is_dir()):
         items.append(CacheItem("partial", path, _tree_size(path), f"unfinished download of {path.name}"))
     for path in sorted(converted_dir().glob("*")):
         if path.name.startswith(".tmp-") or not is_converted(path):

