@@ -44,6 +44,7 @@ def stop_token_ids(tokenizer: Any, model: Any = None) -> set[int]:
         ids.add(config_eos)
     elif config_eos:
         ids.update(int(i) for i in config_eos)
-    vocab = tokenizer.get_vocab()
-    ids.update(vocab[t] for t in END_OF_TURN_TOKENS if t in vocab)
+    # Only *added* (special) tokens: in some vocabularies e.g. "</s>" is ordinary text.
+    added = tokenizer.get_added_vocab()
+    ids.update(added[t] for t in END_OF_TURN_TOKENS if t in added)
     return ids
