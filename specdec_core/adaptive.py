@@ -8,36 +8,56 @@ Each step we pick the k that maximises expected tokens per second:
 
 Nothing is assumed: t_verify(m) is timed for every target forward of m tokens
 (on a CPU a 10-token verify costs clearly more than a 1-token step), t_draft for
-every draft forward, and a_i from the verdicts. When k = 0 wins, speculation is
+every draft forward, and a_i from the verdicts. Timings are the median of the last
+few: on a shared machine one forward now and then stalls for 5-20x its cost (an
+OpenMP thread descheduled; measured in docs/performance.md), and an average would
+carry such a spike into many steps, or forever for a size the controller then avoids. When k = 0 wins, speculation is
 off until a periodic probe re-measures acceptance, so a prompt the draft cannot
 predict costs at most a probe every `probe_every` steps over the target alone.
 """
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
-EMA = 0.2  # weight of a new timing; timings drift with context length and machine load
+# Timings kept per forward size. The median of 7 ignores up to 3 stalled forwards and
+# still follows a real change (longer context, another load on the machine) within 4.
+WINDOW = 7
 
 
 @dataclass
 class CostModel:
     """Measured seconds of a target forward by number of tokens, and of a draft forward."""
 
-    verify: dict[int, float] = field(default_factory=dict)  # m tokens -> EMA seconds
-    draft_token: float | None = None
+    verify: dict[int, float] = field(default_factory=dict)  # m tokens -> median recent seconds
+    draft_token: float | None = None  # median recent seconds per draft forward
     # Used before anything is measured: verifying m tokens ~ (1 + slope * (m - 1)) x one step.
     prior_slope: float = 0.1
+    _verify_recent: dict[int, deque[float]] = field(default_factory=dict, repr=False)
+    _draft_recent: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW), repr=False)
 
     def observe_verify(self, m: int, seconds: float) -> None:
-        old = self.verify.get(m)
-        self.verify[m] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+        recent = self._verify_recent.get(m)
+        if recent is None:
+            # A value given at construction counts as the first measurement.
+            recent = self._verify_recent[m] = deque([self.verify[m]] if m in self.verify else [], WINDOW)
+        recent.append(seconds)
+        self.verify[m] = statistics.median(recent)
 
     def observe_draft(self, forwards: int, seconds: float) -> None:
         if forwards <= 0:
             return
-        per = seconds / forwards
-        self.draft_token = per if self.draft_token is None else (1 - EMA) * self.draft_token + EMA * per
+        if not self._draft_recent and self.draft_token is not None:
+            self._draft_recent.append(self.draft_token)
+        self._draft_recent.append(seconds / forwards)
+        self.draft_token = statistics.median(self._draft_recent)
+
+    def forget_draft(self) -> None:
+        """A new drafter has its own cost."""
+        self.draft_token = None
+        self._draft_recent.clear()
 
     def verify_seconds(self, m: int) -> float | None:
         """Measured t_verify(m), else interpolated/extrapolated from a least-squares line."""

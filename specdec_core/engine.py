@@ -92,9 +92,9 @@ class SpeculativeEngine:
 
     def set_drafter(self, drafter: Drafter) -> None:
         self.drafter = drafter
-        self.costs.draft_token = None  # a new drafter has its own cost
+        self.costs.forget_draft()
 
-    def calibrate(self, sizes: Sequence[int] = (1, 2, 4, 8), repeats: int = 2) -> CostModel:
+    def calibrate(self, sizes: Sequence[int] = (1, 2, 4, 8), repeats: int = 3) -> CostModel:
         """Time target forwards of several sizes (and a draft forward) on a dummy context.
 
         Gives the controller and the speedup baseline real numbers before the first
@@ -103,10 +103,16 @@ class SpeculativeEngine:
         context = torch.randint(
             0, self.vocab_size, (32,), generator=torch.Generator().manual_seed(0)
         ).tolist()
-        for _ in range(repeats):
+        runners = [self.target]
+        if isinstance(self.drafter, ModelDrafter):
+            runners.append(self.drafter.runner)
+        for runner in runners:  # the context is put through once; each timed forward is cropped off
+            runner.reset()
+            runner.forward(context, logits_to_keep=1)
+        for _ in range(repeats):  # interleaved, so a burst of machine load hits all sizes alike
             for m in sizes:
                 self.costs.observe_verify(m, _time_forward(self.target, context, m))
-            if isinstance(self.drafter, ModelDrafter):
+            if len(runners) > 1:
                 self.costs.observe_draft(1, _time_forward(self.drafter.runner, context, 1))
         self.target.reset()
         self.drafter.reset()
@@ -313,9 +319,8 @@ class SpeculativeEngine:
 
 
 def _time_forward(runner: CachedModel, context: list[int], m: int) -> float:
-    """Seconds of one forward of m tokens after a cached context (a verify of m - 1 drafts)."""
-    runner.reset()
-    runner.forward(context, logits_to_keep=1)
+    """Seconds of one forward of m tokens after the cached context (a verify of m - 1 drafts)."""
+    runner.crop(len(context))
     start = time.perf_counter()
     runner.forward(context[:m], logits_to_keep=m)
     return time.perf_counter() - start

@@ -98,3 +98,17 @@ def test_calibration_measures_target_and_draft_costs(tokenizer, target):
     assert set(costs.verify) == {1, 4}
     assert costs.draft_token is not None and costs.draft_token > 0
     assert engine.target.ids == []  # calibration leaves no context behind
+
+
+def test_one_stalled_forward_does_not_move_the_cost():
+    # On a shared machine a forward now and then takes 10x: the median ignores it,
+    # so the controller does not avoid a draft length for the rest of the run.
+    costs = CostModel()
+    for seconds in (0.10, 0.10, 1.50, 0.11):
+        costs.observe_verify(4, seconds)
+        costs.observe_draft(1, seconds / 2)
+    assert costs.verify[4] < 0.12
+    assert costs.draft_token is not None and costs.draft_token < 0.06
+    for _ in range(4):  # a lasting change (a longer context) is followed within a few steps
+        costs.observe_verify(4, 0.2)
+    assert costs.verify[4] == 0.2
