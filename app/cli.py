@@ -1,0 +1,36 @@
+"""`specdec chat`: open the desktop window (registered into the `specdec` command)."""
+
+from __future__ import annotations
+
+import argparse
+
+from specdec_core.cli import add_model_options
+
+from .settings import THEMES
+
+
+def add_chat_options(parser: argparse.ArgumentParser) -> None:
+    """The same model options as `specdec generate`; unset means "last used, else the default pair"."""
+    add_model_options(parser, draft_default="ngram")
+    # None marks "not given on the command line" so the window can fall back to the last
+    # used model (settings) and then to the catalog's default pair.
+    parser.set_defaults(target=None, draft=None, device=None, precision=None)
+    parser.add_argument("--theme", choices=THEMES, default=None, help="colour theme (default: the system's)")
+
+
+def chat_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specdec chat", description="Chat with a local model in a window.")
+    add_chat_options(parser)
+    return parser
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("chat", help="open the chat window (default: the catalog's default pair)")
+    add_chat_options(parser)
+    parser.set_defaults(func=_chat)
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from .main import run  # Qt is imported only when the window is wanted
+
+    return run(args)

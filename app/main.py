@@ -1,0 +1,70 @@
+"""Entry points: `specdec-chat` (gui-script), `specdec chat`, and the test seam.
+
+`build_main_window(argv)` builds the window from the same arguments as
+`specdec chat` and starts loading the models in the worker, without entering
+the event loop, so tests drive the real window with pytest-qt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from PySide6.QtWidgets import QApplication, QMainWindow
+
+from .cli import chat_parser
+
+_app: QApplication | None = None  # kept alive for windows built outside of main()
+
+
+def _application() -> QApplication:
+    global _app
+    existing = QApplication.instance()
+    if isinstance(existing, QApplication):
+        app = existing
+    else:
+        app = _app = QApplication(sys.argv[:1])
+    app.setApplicationName("specdec")
+    app.setOrganizationName("specdec")
+    app.setApplicationDisplayName("specdec")
+    app.setDesktopFileName("specdec")  # matches packaging/specdec.desktop (icon on Wayland)
+    return app
+
+
+def window_from_args(args: argparse.Namespace) -> QMainWindow:
+    from .theme import app_icon
+    from .window import ChatOptions, MainWindow
+
+    app = _application()
+    app.setWindowIcon(app_icon())
+    options = ChatOptions(
+        target=args.target or "",
+        draft=args.draft or "",
+        device=args.device or "",
+        precision=args.precision or "",
+        theme=args.theme or "",
+    )
+    return MainWindow(options)
+
+
+def build_main_window(argv: list[str]) -> QMainWindow:
+    """The window for `specdec chat ARGV`, loading its models, not shown, no event loop."""
+    return window_from_args(chat_parser().parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="specdec: %(message)s")
+    app = _application()
+    window = window_from_args(args)
+    window.show()
+    return int(app.exec())
+
+
+def main() -> int:
+    """The `specdec-chat` gui-script."""
+    return run(chat_parser().parse_args(sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

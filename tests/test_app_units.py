@@ -1,0 +1,142 @@
+"""The app's Qt-free parts and small widgets: Markdown layout with token ownership,
+the conversation store, the settings wrapper, the answer footer."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+from app.conversations import Conversation, ConversationStore, StoredMessage, StoredToken, title_from
+from app.markup import layout, owners
+from specdec_core.stats import GenerationStats
+
+
+def test_code_fence_keeps_every_character_owned_by_its_token():
+    tokens = ["Here", ":\n```", "py", "thon\n", "def f", "():\n", "    return", " 1\n", "```", "\nDone"]
+    blocks = layout("".join(tokens), owners(tokens))
+    code = [b for b in blocks if b.kind == "code"]
+    assert [b.text for b in code] == ["def f():", "    return 1"]
+    assert code[0].language == "python" and code[0].first_in_group and not code[1].first_in_group
+    assert all(run.code for b in code for run in b.runs)
+    # "def f" is token 4, "():" token 5: the run boundaries follow the tokens.
+    assert [(r.text, r.token) for r in code[0].runs] == [("def f", 4), ("():", 5)]
+    assert blocks[-1].kind == "paragraph" and blocks[-1].text == "Done"
+
+
+def test_unclosed_fence_while_streaming_is_code_to_the_end():
+    blocks = layout("```js\nlet x = 1;\nlet y")
+    assert [b.kind for b in blocks] == ["code", "code"]
+    assert blocks[1].text == "let y"
+
+
+def test_inline_markup_is_hidden_and_styled():
+    (block,) = layout("Use **bold**, *it* and `x = 1` here")
+    assert block.text == "Use bold, it and x = 1 here"
+    styled = {r.text: (r.bold, r.italic, r.code) for r in block.runs}
+    assert styled["bold"] == (True, False, False)
+    assert styled["it"] == (False, True, False)
+    assert styled["x = 1"] == (False, False, True)
+
+
+def test_lists_headings_and_quotes():
+    blocks = layout("# Title\n- one\n  - two\n3. three\n> said\n---")
+    assert [(b.kind, b.level, b.number) for b in blocks] == [
+        ("heading", 1, 0),
+        ("bullet", 0, 0),
+        ("bullet", 1, 0),
+        ("ordered", 0, 3),
+        ("quote", 0, 0),
+        ("rule", 0, 0),
+    ]
+
+
+def test_store_saves_atomically_lists_newest_first_and_deletes(tmp_path):
+    store = ConversationStore(tmp_path)
+    first = Conversation.new("be brief")
+    first.messages.append(StoredMessage("user", "hi"))
+    store.save(first)
+    second = Conversation.new()
+    second.messages += [
+        StoredMessage("user", "2+2?"),
+        StoredMessage("assistant", "4", tokens=[StoredToken("4", "bonus", 1, 0.9, None)], footer="Draft: x"),
+    ]
+    store.save(second)
+    assert [c.id for c in store.list()] == [second.id, first.id]
+    again = store.load(second.id)
+    assert again.messages[1].tokens == [StoredToken("4", "bonus", 1, 0.9, None)]
+    assert again.messages[1].footer == "Draft: x" and again.system_prompt == ""
+    assert store.load(first.id).system_prompt == "be brief"
+    assert not [p for p in (tmp_path / "conversations").iterdir() if p.name.startswith(".tmp")]
+    store.delete(first.id)
+    assert [c.id for c in store.list()] == [second.id]
+
+
+def test_a_damaged_file_does_not_hide_the_others(tmp_path):
+    store = ConversationStore(tmp_path)
+    good = Conversation.new()
+    store.save(good)
+    (tmp_path / "conversations" / "broken.json").write_text("{not json", encoding="utf-8")
+    (tmp_path / "conversations" / "foreign.json").write_text(json.dumps({"x": 1}), encoding="utf-8")
+    assert [c.id for c in store.list()] == [good.id]
+
+
+def test_title_is_the_first_line_shortened_on_a_word():
+    assert title_from("How do I sort a list?\nmore") == "How do I sort a list?"
+    long = title_from("word " * 30)
+    assert long.endswith("…") and len(long) <= 49
+
+
+def test_footer_reads_like_the_issue_says():
+    from app.side_panel import answer_footer
+
+    stats = GenerationStats(
+        drafter="d",
+        prompt_tokens=5,
+        new_tokens=200,
+        stop_reason="eos",
+        steps=60,
+        proposed=180,
+        accepted=143,
+        per_position_acceptance=(),
+        decode_seconds=10.0,
+        target_token_seconds=0.105,
+    )
+    footer = answer_footer(stats, "qwen2.5-coder-0.5b")
+    assert footer.startswith("Draft: qwen2.5-coder-0.5b · accepted 143/180 (79%) · 2.1× faster")
+
+
+def test_settings_round_trip_through_the_typed_wrapper(qapp, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_DATA_DIR", str(tmp_path))
+    from app.settings import AppSettings
+
+    settings = AppSettings()
+    settings.target, settings.draft, settings.precision = "/m/t", "ngram", "int8"
+    settings.provenance = False
+    settings.temperature = 0.7
+    settings.remember_model("/m/a")
+    settings.remember_model("/m/b")
+    settings.remember_model("/m/a")
+    settings.sync()
+    again = AppSettings()
+    assert (again.target, again.draft, again.precision) == ("/m/t", "ngram", "int8")
+    assert again.provenance is False and again.temperature == pytest.approx(0.7)
+    assert again.recent_models == ["/m/a", "/m/b"]
+    assert (tmp_path / "settings.ini").is_file()
+
+
+def test_gauge_grows_its_scale_and_shows_the_bound(qtbot):
+    from PySide6.QtGui import QColor
+
+    from app.gauges import Gauge
+
+    gauge = Gauge("speedup", 4.0, lambda v: f"{v:.2f}×", QColor("red"))
+    qtbot.addWidget(gauge)
+    assert gauge.text() == "–"
+    gauge.set_value(9.0, marker=2.5)
+    assert gauge.text() == "9.00×" and gauge.marker() == 2.5
+    assert "theoretical 2.50×" in gauge.toolTip()
+    gauge.grab()  # paints without error

@@ -1,0 +1,320 @@
+"""The chat window end to end on tiny models: streaming, provenance, stop, toggle, menus,
+persistence, and a UI thread that never stalls. Waits on signals, never sleeps.
+
+A worker paused inside its first token batch (`PausedWorker`) makes "mid-generation"
+deterministic: the UI acts while the engine is held between two steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+from PySide6.QtCore import QElapsedTimer, Qt, QTimer
+from PySide6.QtGui import QTextCursor
+from tiny import perturbed, tiny_model, tiny_tokenizer
+
+from app.main import build_main_window
+from app.settings import AppSettings
+from app.token_view import TOKEN_SOURCE, token_tooltip
+from specdec_core import cli
+from specdec_core.compat import check_folders
+
+LOAD_TIMEOUT_MS = 120_000  # generous: a loaded 2-core CI machine imports and loads slowly
+ANSWER_TIMEOUT_MS = 120_000
+PROMPT = "def add(a, b):"
+
+
+def _save(model, tokenizer, folder: Path) -> str:
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def _never_ends(model, tokenizer):
+    """Zero the lm_head rows of the stop tokens: their logit is 0 while the peaked random
+    logits always have a larger maximum, so greedy answers run to max_new_tokens."""
+    with torch.no_grad():
+        for token in ("<|im_end|>", "<|endoftext|>"):
+            model.lm_head.weight[tokenizer.convert_tokens_to_ids(token)] = 0.0
+    return model
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("app-models")
+    tok = tiny_tokenizer()
+    target = tiny_model(len(tok), seed=0)
+    chatty = _never_ends(tiny_model(len(tok), seed=0), tok)
+    other_tok = tiny_tokenizer(300, extra="entirely different words zzz qqq")
+    return {
+        "target": _save(target, tok, root / "target"),
+        "near": _save(perturbed(target, 0.05), tok, root / "near-draft"),
+        "chatty": _save(chatty, tok, root / "chatty"),
+        "chatty_copy": _save(chatty, tok, root / "chatty-copy"),
+        "other": _save(tiny_model(len(other_tok), seed=3), other_tok, root / "other-vocab"),
+    }
+
+
+@pytest.fixture
+def open_window(qtbot, tmp_path, monkeypatch):
+    """Build the window like `specdec chat ARGS` and wait until its models are ready."""
+    monkeypatch.setenv("SPECDEC_DATA_DIR", str(tmp_path / "data"))
+    releases: list[threading.Event] = []
+
+    def open_(*args: str, wait: bool = True):
+        window = build_main_window([*args, "--device", "cpu", "--precision", "fp32", "--theme", "light"])
+        qtbot.addWidget(window)
+        window.show()
+        window.worker.emit_interval_s = 0.0  # a batch per step: "mid-generation" is reachable
+        window.releases = releases
+        if wait:
+            with qtbot.waitSignal(window.modelReady, timeout=LOAD_TIMEOUT_MS):
+                pass
+        return window
+
+    yield open_
+    for release in releases:  # never leave a worker parked if a test failed half way
+        release.set()
+
+
+class PausedWorker:
+    """Parks the worker thread inside its first token batch until `release()`."""
+
+    def __init__(self, window) -> None:
+        self.release_event = threading.Event()
+        window.releases.append(self.release_event)
+        self.first_step: int | None = None
+        # Direct: runs in the worker thread; the window's queued delivery was posted first.
+        window.worker.tokensCommitted.connect(self._hold, Qt.ConnectionType.DirectConnection)
+
+    def _hold(self, batch) -> None:
+        if self.first_step is None and batch:
+            self.first_step = batch[-1].step
+            self.release_event.wait(60)
+
+    def release(self) -> None:
+        self.release_event.set()
+
+
+def _pin_draft_length(window, k: int) -> None:
+    menu = window.side.generation.draft_length
+    menu.setCurrentIndex(menu.findData(k))
+
+
+def _send(qtbot, window, text: str):
+    window.prompt.setPlainText(text)
+    with qtbot.waitSignal(window.answerFinished, timeout=ANSWER_TIMEOUT_MS) as blocker:
+        qtbot.keyClick(window.prompt, Qt.Key.Key_Return)  # Enter sends
+    return blocker.args[0]
+
+
+def _generate_json(capsys, *args: str) -> dict:
+    capsys.readouterr()
+    assert cli.main(["generate", *args, "--device", "cpu", "--precision", "fp32", "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_answer_is_tinted_hoverable_and_equals_specdec_generate(qtbot, open_window, models, capsys):
+    window = open_window("--target", models["target"], "--draft", models["near"])
+    assert window.findChild(object, "resolvedLabel").text() == "cpu · fp32"
+    _pin_draft_length(window, 3)
+    message = _send(qtbot, window, PROMPT)
+
+    reference = _generate_json(
+        capsys,
+        "--target",
+        models["target"],
+        "--draft",
+        models["near"],
+        "--prompt",
+        PROMPT,
+        "--draft-length",
+        "3",
+    )
+    assert window.live_token_ids() == [t["id"] for t in reference["tokens"]]
+    assert message.content == reference["text"].removesuffix("<|im_end|>")
+    assert [t.source for t in message.tokens] == [t["source"] for t in reference["tokens"]][
+        : len(message.tokens)
+    ]
+
+    shown = window.view.rendered_sources()
+    assert len(shown) >= 2, shown  # e.g. accepted and corrected
+    assert message.footer.startswith("Draft: near-draft · accepted ")
+    assert window.gauges.acceptance.value() == pytest.approx(
+        reference["stats"]["accepted"] / reference["stats"]["proposed"]
+    )
+    assert window.gauges.speedup.value() > 0 and window.gauges.tokens_per_second.value() > 0
+
+    # Hovering a tinted character finds its token; the tooltip names step and source.
+    view = window.view
+    block = view.document().begin()
+    while block.isValid() and not any(
+        it.fragment().charFormat().hasProperty(TOKEN_SOURCE) for it in _fragments(block)
+    ):
+        block = block.next()
+    fragment = next(
+        f for f in (it.fragment() for it in _fragments(block)) if f.charFormat().hasProperty(TOKEN_SOURCE)
+    )
+    cursor = QTextCursor(view.document())
+    cursor.setPosition(fragment.position())
+    token = view.token_at(
+        view.cursorRect(cursor).center() + view.cursorRect(cursor).topRight() * 0 + _right(3)
+    )
+    assert token is not None and token.source == fragment.charFormat().property(TOKEN_SOURCE)
+    assert f"step {token.step}" in token_tooltip(token)
+
+    # Provenance off: the plain rendered answer, no tints.
+    window.findChild(object, "provenanceToggle").trigger()
+    assert view.rendered_sources() == {} and view.tinted_backgrounds() == set()
+    assert message.content.strip().split()[0] in view.toPlainText()
+
+
+def _fragments(block):
+    it = block.begin()
+    while not it.atEnd():
+        yield it
+        it += 1
+
+
+def _right(dx: int):
+    from PySide6.QtCore import QPoint
+
+    return QPoint(dx, 0)
+
+
+def test_stop_mid_generation_then_a_new_message_works(qtbot, open_window, models):
+    window = open_window("--target", models["chatty"], "--draft", "ngram")
+    window.side.generation.max_new_tokens.setValue(300)
+    paused = PausedWorker(window)
+    window.prompt.setPlainText(PROMPT)
+    with qtbot.waitSignal(window.answerProgressed, timeout=ANSWER_TIMEOUT_MS):
+        window.send_button.click()
+    assert window.findChild(object, "stopButton").isEnabled()
+    with qtbot.waitSignal(window.answerFinished, timeout=ANSWER_TIMEOUT_MS) as blocker:
+        qtbot.mouseClick(window.stop_button, Qt.MouseButton.LeftButton)
+        paused.release()
+    stopped = blocker.args[0]
+    assert stopped.stopped and "stopped" in stopped.footer
+    assert 0 < len(window.live_token_ids()) < 300
+
+    window.side.generation.max_new_tokens.setValue(12)
+    answer = _send(qtbot, window, "and again")
+    assert not answer.stopped and len(window.live_token_ids()) == 12
+    assert [m.role for m in window.conversation.messages] == ["user", "assistant", "user", "assistant"]
+
+
+def test_speculation_toggle_switches_the_next_tokens_to_target(qtbot, open_window, models):
+    # A draft identical to the target: every draft token is accepted while speculating.
+    window = open_window("--target", models["chatty"], "--draft", models["chatty_copy"])
+    _pin_draft_length(window, 4)
+    window.side.generation.max_new_tokens.setValue(40)
+    paused = PausedWorker(window)
+    window.prompt.setPlainText(PROMPT)
+    with qtbot.waitSignal(window.answerProgressed, timeout=ANSWER_TIMEOUT_MS):
+        window.send_button.click()
+    toggle = window.findChild(object, "speculationToggle")
+    assert toggle.isChecked()
+    with qtbot.waitSignal(window.answerFinished, timeout=ANSWER_TIMEOUT_MS) as blocker:
+        toggle.trigger()  # off, while the engine is parked between two steps
+        paused.release()
+    tokens = blocker.args[0].tokens
+    before = [t.source for t in tokens if t.step <= paused.first_step]
+    after = [t.source for t in tokens if t.step > paused.first_step]
+    assert set(before) == {"accepted", "bonus"}
+    assert after and set(after) == {"target"}
+
+
+def test_draft_menu_disables_an_incompatible_tokenizer_with_its_reason(qtbot, open_window, models, tmp_path):
+    os.environ["SPECDEC_DATA_DIR"] = str(tmp_path / "data")  # same as the fixture's, set before it
+    AppSettings().remember_model(models["other"])
+    window = open_window("--target", models["target"], "--draft", models["near"], wait=False)
+    with qtbot.waitSignal(window.draftMenuUpdated, timeout=LOAD_TIMEOUT_MS):
+        pass
+    entries = {ref: (label, enabled, tip) for label, ref, enabled, tip in window.draft_menu_entries()}
+    reason = check_folders(models["target"], models["other"]).reason
+    assert entries[models["other"]][1] is False
+    assert reason in entries[models["other"]][2]
+    assert entries[models["near"]][1] is True and "compatible" in entries[models["near"]][2]
+    refs = [ref for _, ref, _, _ in window.draft_menu_entries()]
+    # Compatible drafts first, then n-gram and None; the incompatible one after them.
+    assert refs.index(models["near"]) < refs.index("ngram") < refs.index("none") < refs.index(models["other"])
+
+    # Choosing n-gram swaps the drafter without reloading the target.
+    index = window.draft_menu.findData("ngram")
+    with qtbot.waitSignal(window.modelReady, timeout=LOAD_TIMEOUT_MS) as blocker:
+        window.draft_menu.setCurrentIndex(index)
+        window.draft_menu.activated.emit(index)
+    assert blocker.args[0].draft == "ngram"
+
+
+def test_an_incompatible_draft_falls_back_to_ngram_with_a_message(qtbot, open_window, models):
+    window = open_window("--target", models["target"], "--draft", models["other"], wait=False)
+    with qtbot.waitSignals([window.errorShown, window.modelReady], timeout=LOAD_TIMEOUT_MS):
+        pass
+    assert window.pair.draft == "ngram"
+    assert "does not fit" in window.error_text.text() and "Using n-gram instead" in window.error_text.text()
+
+
+def test_a_missing_model_is_a_message_not_a_crash(qtbot, open_window, tmp_path):
+    window = open_window("--target", str(tmp_path / "nowhere"), "--draft", "ngram", wait=False)
+    with qtbot.waitSignal(window.errorShown, timeout=LOAD_TIMEOUT_MS) as blocker:
+        pass
+    assert "nowhere" in blocker.args[0]
+    assert not window.send_button.isEnabled() and window.error_banner.isVisible()
+
+
+def test_conversations_survive_a_restart(qtbot, open_window, models):
+    window = open_window("--target", models["chatty"], "--draft", "ngram")
+    window.side.generation.max_new_tokens.setValue(8)
+    answer = _send(qtbot, window, "remember me")
+    conversation_id = window.conversation.id
+    window.rename_conversation(conversation_id, "Kept")
+    window.close()
+    assert window.engine_thread.isFinished()
+
+    again = open_window("--target", models["chatty"], "--draft", "ngram")
+    assert again.conversation.id == conversation_id and again.conversation.title == "Kept"
+    assert [m.content for m in again.conversation.messages] == ["remember me", answer.content]
+    assert again.conversation.messages[1].tokens == answer.tokens
+    assert "remember me" in again.view.toPlainText()
+    titles = [again.conversation_list.item(i).text() for i in range(again.conversation_list.count())]
+    assert titles == ["Kept"]
+    again.delete_conversation(conversation_id)
+    assert again.conversation_list.count() == 0 and again.conversation.messages == []
+
+
+def test_ui_thread_heartbeat_is_never_late_during_a_generation(qtbot, open_window, models):
+    window = open_window("--target", models["chatty"], "--draft", "ngram")
+    window.worker.emit_interval_s = 0.03  # the real app's pace
+    window.side.generation.max_new_tokens.setValue(300)
+    interval_ms = 20
+    clock = QElapsedTimer()
+    gaps: list[int] = []
+    last = [0]
+
+    def beat() -> None:
+        now = clock.elapsed()
+        gaps.append(now - last[0])
+        last[0] = now
+
+    timer = QTimer(window)
+    timer.setTimerType(Qt.TimerType.PreciseTimer)
+    timer.setInterval(interval_ms)
+    timer.timeout.connect(beat)
+    clock.start()
+    timer.start()
+    started = time.perf_counter()
+    message = _send(qtbot, window, PROMPT)
+    timer.stop()
+    assert len(message.tokens) == 300
+    assert len(gaps) >= 5, f"generation too short to measure ({time.perf_counter() - started:.2f}s)"
+    assert max(gaps) - interval_ms <= 100, f"UI thread late by {max(gaps) - interval_ms} ms: {gaps}"
