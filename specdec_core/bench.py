@@ -36,7 +36,7 @@ from typing import Any, Protocol
 import torch
 
 from .chat import Message, encode_chat
-from .drafters import Drafter, ModelDrafter, NgramDrafter, NoDrafter
+from .drafters import Drafter, LookupThenModelDrafter, ModelDrafter, NgramDrafter, NoDrafter
 from .engine import GenerationParams, SpeculativeEngine
 from .errors import SpecdecError
 from .events import DoneEvent
@@ -48,9 +48,9 @@ OURS_PREFIX = "ours-"
 BASELINE = "target"
 HF_ASSISTED = "hf-assisted"
 PROMPT_LOOKUP_TOKENS = 10  # the issue's setting (transformers' docs suggest 10 for input-grounded tasks)
-# What the app runs by default, named by drafter: the draft model with adaptive k.
-# (Decided from measurements, see docs/performance.md.)
-AUTO_DRAFTER = "draft"
+# What the app runs by default, named by drafter: prompt lookup when the text has a
+# match (free), else the draft model, each with adaptive k (docs/performance.md).
+AUTO_DRAFTER = "ngram+draft"
 DEFAULT_PROMPTS = "prompts.jsonl"
 
 
@@ -221,7 +221,7 @@ class EngineMethod:
 
 
 def needs_draft_model(method: str) -> bool:
-    return method in DRAFT_MODEL_METHODS or (method == "ours-auto" and AUTO_DRAFTER == "draft")
+    return method in DRAFT_MODEL_METHODS or (method == "ours-auto" and "draft" in AUTO_DRAFTER)
 
 
 def build_methods(
@@ -232,11 +232,13 @@ def build_methods(
     draft_model: Any = None,
     draft_name: str = "draft",
     calibrate: bool = True,
+    draft_length: int | None = None,
 ) -> dict[str, Method]:
     """The requested methods over one target (and draft) model, in `METHODS` order.
 
     Each of our methods gets its own engine (own caches and measured costs) over the
     shared model objects; `calibrate` times them as the app does when it loads a pair.
+    `draft_length` pins k for our methods (None: adaptive, as the app runs).
     """
     unknown = sorted(set(names) - set(METHODS))
     if unknown:
@@ -254,13 +256,14 @@ def build_methods(
             return NoDrafter()
         if kind == "ngram":
             return NgramDrafter()
-        return ModelDrafter(draft_model, name=draft_name, vocab_size=vocab_size)
+        model = ModelDrafter(draft_model, name=draft_name, vocab_size=vocab_size)
+        return LookupThenModelDrafter(model) if kind == "ngram+draft" else model
 
     def engine_method(name: str, kind: str) -> EngineMethod:
         engine = SpeculativeEngine(target_model, tokenizer, drafter(kind), stop_token_ids=stop_token_ids)
         if calibrate and kind != "none":
             engine.calibrate()
-        return EngineMethod(name, engine)
+        return EngineMethod(name, engine, draft_length)
 
     factories: dict[str, Callable[[], Method]] = {
         "target": lambda: HfMethod("target", target_model, stop_token_ids, pad),

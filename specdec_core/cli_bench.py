@@ -53,7 +53,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help=f"comma-separated subset of {','.join(METHODS)} (target is always needed)",
     )
     p.add_argument("--categories", default=None, help="comma-separated categories to keep")
+    p.add_argument("--ids", default=None, help="comma-separated prompt ids to keep")
     p.add_argument("--limit", type=int, default=None, help="keep the first N prompts (after --categories)")
+    p.add_argument(
+        "--draft-length", default="auto", help="our methods' k: 'auto' (adaptive, as the app) or a fixed K"
+    )
     p.add_argument("--warmup-tokens", type=int, default=16, help="length of each method's warm-up generation")
     p.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the full results as JSON")
     p.add_argument("--markdown", type=Path, default=None, metavar="OUT", help="write a readable report")
@@ -88,6 +92,7 @@ def _bench(args: argparse.Namespace) -> int:
         sorted(stop_token_ids(target.tokenizer, target.model)),
         draft_model=draft.model if draft else None,
         draft_name=draft.name if draft else "draft",
+        draft_length=_draft_length(args.draft_length),
     )
     start = time.perf_counter()
     results = run_bench(built, prompts, target.tokenizer, settings, _ProgressBar(start))
@@ -104,6 +109,7 @@ def _bench(args: argparse.Namespace) -> int:
         "prompts_file": str(args.prompts) if args.prompts else "default suite",
         "prompts": len(prompts),
         "auto_drafter": AUTO_DRAFTER,
+        "draft_length": args.draft_length,
         "wall_seconds": round(time.perf_counter() - start, 1),
     }
     report = BenchReport.build(config, machine, results)
@@ -118,12 +124,23 @@ def _command_line(args: argparse.Namespace) -> str:
     if args.prompts:
         words += ["--prompts", str(args.prompts)]
     words += ["--max-new-tokens", str(args.max_new_tokens), "--repeats", str(args.repeats)]
-    words += ["--methods", args.methods, "--warmup-tokens", str(args.warmup_tokens)]
+    words += ["--methods", args.methods, "--draft-length", args.draft_length]
+    words += ["--warmup-tokens", str(args.warmup_tokens)]
     if args.categories:
         words += ["--categories", args.categories]
+    if args.ids:
+        words += ["--ids", args.ids]
     if args.limit is not None:
         words += ["--limit", str(args.limit)]
     return " ".join(shlex.quote(w) for w in words)
+
+
+def _draft_length(text: str) -> int | None:
+    if text == "auto":
+        return None
+    if not text.isdigit():
+        raise SpecdecError(f"--draft-length must be 'auto' or a whole number, not {text!r}")
+    return int(text)
 
 
 def _method_names(spec: str, draft_spec: str) -> list[str]:
@@ -147,6 +164,12 @@ def _select_prompts(args: argparse.Namespace) -> list[BenchPrompt]:
                 f"no prompts in categor(ies) {', '.join(sorted(wanted - known))}; known: {', '.join(sorted(known))}"
             )
         prompts = [p for p in prompts if p.category in wanted]
+    if args.ids:
+        wanted = {i.strip() for i in args.ids.split(",")}
+        missing = wanted - {p.id for p in prompts}
+        if missing:
+            raise SpecdecError(f"no prompt with id(s) {', '.join(sorted(missing))}")
+        prompts = [p for p in prompts if p.id in wanted]
     if args.limit is not None:
         prompts = prompts[: max(1, args.limit)]
     return prompts

@@ -6,7 +6,9 @@ One small interface (after transformers' candidate generators):
 
 `NoDrafter` proposes nothing (speculation off, measured through the same engine),
 `NgramDrafter` looks the recent suffix up in the text so far (prompt lookup),
-`ModelDrafter` runs a small LM with its own KV cache.
+`ModelDrafter` runs a small LM with its own KV cache,
+`LookupThenModelDrafter` tries prompt lookup first (free) and the model otherwise;
+the engine gives each of its two sources its own draft-length controller.
 """
 
 from __future__ import annotations
@@ -171,3 +173,44 @@ class ModelDrafter:
             return logits[:v]
         pad = torch.full((v - logits.shape[-1],), float("-inf"), dtype=logits.dtype, device=logits.device)
         return torch.cat([logits, pad])
+
+
+class LookupThenModelDrafter:
+    """Prompt lookup when the text so far has a match, the draft model otherwise.
+
+    A lookup draft costs microseconds, a model draft one forward per token (on this
+    CPU half a target step, see docs/performance.md), so a copied span — an edited
+    function, a quoted passage, a repeated identifier — is drafted for free and the
+    model covers the rest. The engine asks `lookup()` first, with a k chosen by a
+    controller that knows lookup is free, and falls back to `propose()`.
+    Lookup needs a match of at least 2 tokens: a 1-token match is mostly chance and
+    would pre-empt the better model draft (measured, docs/performance.md).
+    """
+
+    is_model = True
+
+    def __init__(self, model: ModelDrafter, lookup: NgramDrafter | None = None) -> None:
+        self.model = model
+        self.lookup_drafter = lookup or NgramDrafter(max_ngram=4, min_ngram=2)
+        self.name = f"ngram+{model.name}"
+
+    @property
+    def runner(self) -> CachedModel:
+        return self.model.runner
+
+    def reset(self) -> None:
+        self.model.reset()
+        self.lookup_drafter.reset()
+
+    def sync(self, tokens: Sequence[int]) -> None:
+        self.model.sync(tokens)
+        self.lookup_drafter.sync(tokens)
+
+    def lookup(self, tokens: Sequence[int], k: int) -> Draft:
+        """The free draft: up to k tokens copied from an earlier match, or none."""
+        return self.lookup_drafter.propose(tokens, k, SamplingParams(), None)
+
+    def propose(
+        self, tokens: Sequence[int], k: int, sampling: SamplingParams, generator: torch.Generator | None
+    ) -> Draft:
+        return self.model.propose(tokens, k, sampling, generator)

@@ -30,7 +30,7 @@ import torch
 from .acceptance import Verdict, accept_greedy, accept_sampled
 from .adaptive import CostModel, DraftLengthController
 from .detok import IncrementalDetokenizer
-from .drafters import EMPTY_DRAFT, Draft, Drafter, ModelDrafter, NoDrafter
+from .drafters import EMPTY_DRAFT, Draft, Drafter, LookupThenModelDrafter, ModelDrafter, NoDrafter
 from .events import DoneEvent, Event, PrefillEvent, Source, StepEvent, TokenEvent
 from .kvcache import CachedModel
 from .sampling import SamplingParams
@@ -104,7 +104,7 @@ class SpeculativeEngine:
             0, self.vocab_size, (32,), generator=torch.Generator().manual_seed(0)
         ).tolist()
         runners = [self.target]
-        if isinstance(self.drafter, ModelDrafter):
+        if isinstance(self.drafter, (ModelDrafter, LookupThenModelDrafter)):
             runners.append(self.drafter.runner)
         for runner in runners:  # the context is put through once; each timed forward is cropped off
             runner.reset()
@@ -135,6 +135,12 @@ class SpeculativeEngine:
         controller = DraftLengthController(
             max_k=params.max_draft_length, pinned=params.draft_length, costs=self.costs
         )
+        # Free lookup drafts have their own acceptance, so their own controller.
+        lookup_controller = None
+        if isinstance(self.drafter, LookupThenModelDrafter):
+            lookup_controller = DraftLengthController(
+                max_k=params.max_draft_length, pinned=params.draft_length, costs=self.costs
+            )
         tokens = list(prompt_ids)
         run = _Run(prompt_len=len(tokens))
         yield self._prefill(tokens, run)
@@ -150,10 +156,9 @@ class SpeculativeEngine:
                 stop_reason = "cancelled"
                 break
             remaining = params.max_new_tokens - (len(tokens) - run.prompt_len)
-            k = self._choose_k(controller, remaining, params)
-            draft = self.drafter.propose(tokens, k, sampling, generator) if k > 0 else EMPTY_DRAFT
+            k, draft, used = self._draft(tokens, controller, lookup_controller, remaining, params, generator)
             verdict, target_probs, verify_seconds = self._verify(tokens, draft, sampling, generator)
-            self._record_step(run, controller, k, draft, verdict, verify_seconds, k_hist)
+            self._record_step(run, used, k, draft, verdict, verify_seconds, k_hist)
             for i in range(min(len(draft.tokens), len(position_trials), verdict.accepted + 1)):
                 position_trials[i] += 1
                 position_hits[i] += i < verdict.accepted
@@ -196,10 +201,31 @@ class SpeculativeEngine:
         run.prefill_seconds = time.perf_counter() - start
         return PrefillEvent(prompt_tokens=len(tokens), reused_tokens=reused, seconds=run.prefill_seconds)
 
-    def _choose_k(self, controller: DraftLengthController, remaining: int, params: GenerationParams) -> int:
+    def _draft(
+        self,
+        tokens: list[int],
+        controller: DraftLengthController,
+        lookup_controller: DraftLengthController | None,
+        remaining: int,
+        params: GenerationParams,
+        generator: torch.Generator | None,
+    ) -> tuple[int, Draft, DraftLengthController]:
+        """Choose k and draft: (k, the draft, the controller that chose it)."""
+        if lookup_controller is not None and isinstance(self.drafter, LookupThenModelDrafter):
+            k = self._choose_k(lookup_controller, remaining, params, is_model=False)
+            found = self.drafter.lookup(tokens, k) if k > 0 else EMPTY_DRAFT
+            if found.tokens:
+                return k, found, lookup_controller
+        k = self._choose_k(controller, remaining, params, is_model=self.drafter.is_model)
+        draft = self.drafter.propose(tokens, k, params.sampling, generator) if k > 0 else EMPTY_DRAFT
+        return k, draft, controller
+
+    def _choose_k(
+        self, controller: DraftLengthController, remaining: int, params: GenerationParams, is_model: bool
+    ) -> int:
         if not self.speculation_enabled or isinstance(self.drafter, NoDrafter):
             return 0
-        k = controller.choose_k(self.drafter.is_model)
+        k = controller.choose_k(is_model)
         # The verify always adds one target token, so never draft past the budget.
         return max(0, min(k, remaining - 1, params.max_draft_length))
 

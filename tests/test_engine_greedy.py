@@ -8,7 +8,7 @@ import pytest
 from tiny import hf_greedy, perturbed, tiny_model
 
 from specdec_core.chat import Message, encode_chat
-from specdec_core.drafters import ModelDrafter, NgramDrafter, NoDrafter
+from specdec_core.drafters import LookupThenModelDrafter, ModelDrafter, NgramDrafter, NoDrafter
 from specdec_core.engine import GenerationParams, SpeculativeEngine
 from specdec_core.events import DoneEvent, Source, StepEvent, TokenEvent
 
@@ -27,6 +27,9 @@ def drafters(tokenizer, target):
         "perturbed": lambda: ModelDrafter(perturbed(target, 0.05), "perturbed"),
         "random": lambda: ModelDrafter(tiny_model(v, seed=7), "random"),
         "ngram": lambda: NgramDrafter(),
+        "lookup+perturbed": lambda: LookupThenModelDrafter(
+            ModelDrafter(perturbed(target, 0.05), "perturbed")
+        ),
         "none": lambda: NoDrafter(),
     }
 
@@ -38,7 +41,7 @@ PROMPTS = {
 
 
 @pytest.mark.parametrize("draft_length", [None, 1, 4, 7])
-@pytest.mark.parametrize("drafter_name", ["same", "perturbed", "random", "ngram", "none"])
+@pytest.mark.parametrize("drafter_name", ["same", "perturbed", "random", "ngram", "lookup+perturbed", "none"])
 @pytest.mark.parametrize("prompt_name", list(PROMPTS))
 def test_greedy_output_equals_transformers_generate(
     tokenizer, target, drafters, drafter_name, prompt_name, draft_length
@@ -114,7 +117,7 @@ def test_max_new_tokens_ending_mid_draft(tokenizer, target, drafters, max_new_to
     assert done.stats.stop_reason == "max_tokens"
 
 
-@pytest.mark.parametrize("drafter_name", ["same", "perturbed", "ngram"])
+@pytest.mark.parametrize("drafter_name", ["same", "perturbed", "ngram", "lookup+perturbed"])
 def test_caches_hold_only_committed_tokens_after_every_verify(tokenizer, target, drafters, drafter_name):
     prompt = tokenizer(PROMPTS["code"])["input_ids"]
     drafter = drafters[drafter_name]()
@@ -129,7 +132,7 @@ def test_caches_hold_only_committed_tokens_after_every_verify(tokenizer, target,
             # Target: every committed token but the last (the next forward starts from it).
             assert engine.target.ids == tokens[:-1]
             assert engine.target.cache.get_seq_length() == len(tokens) - 1
-            if isinstance(drafter, ModelDrafter):
+            if isinstance(drafter, (ModelDrafter, LookupThenModelDrafter)):
                 cached = drafter.runner.ids
                 assert cached == tokens[: len(cached)]
                 assert drafter.runner.cache.get_seq_length() == len(cached)
