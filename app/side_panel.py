@@ -61,6 +61,7 @@ class GaugePanel(QWidget):
         self.bound = QLabel("–")
         for label in (self.mean_length, self.current_k, self.bound):
             label.setAlignment(Qt.AlignmentFlag.AlignRight)
+            label.setMinimumWidth(label.fontMetrics().horizontalAdvance("12 · pinned"))
         self.sparkline = Sparkline(QColor("#3b82f6"))
         self.sparkline.setObjectName("tokensPerSecondSparkline")
         self.sparkline.setToolTip("tokens/s over this answer")
@@ -75,7 +76,7 @@ class GaugePanel(QWidget):
         grid.addWidget(self.acceptance, 0, 1)
         grid.addWidget(self.speedup, 1, 0)
         figures = QFormLayout()
-        figures.addRow("accepted / step", self.mean_length)
+        figures.addRow("per step", self.mean_length)
         figures.addRow("current k", self.current_k)
         figures.addRow("theory", self.bound)
         holder = QWidget()

@@ -137,6 +137,7 @@ class MainWindow(QMainWindow):
         self._live: list[CommittedToken] = []
         self._live_shown: list[StoredToken] = []
         self._editing: int | None = None
+        self._send_when_ready = False
         self._verdicts: dict[str, Compatibility] = {}
         self._closing = False
         self._theme_choice = options.theme or self.settings.theme
@@ -171,6 +172,8 @@ class MainWindow(QMainWindow):
 
         self.conversation_list = QListWidget(objectName="conversationList")
         self.conversation_list.setEditTriggers(QAbstractItemView.EditTrigger.EditKeyPressed)
+        self.conversation_list.setTextElideMode(Qt.TextElideMode.ElideRight)
+        self.conversation_list.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         self.conversation_list.setContextMenuPolicy(Qt.ContextMenuPolicy.CustomContextMenu)
         self.conversation_list.customContextMenuRequested.connect(self._conversation_menu)
         self.conversation_list.itemClicked.connect(self._on_conversation_clicked)
@@ -591,9 +594,13 @@ class MainWindow(QMainWindow):
         self.checkDraftsRequested.emit(self._draft_candidates())
         self._update_controls()
         self.modelReady.emit(info)
+        if self._send_when_ready:
+            self._send_when_ready = False
+            self.send()
 
     def _on_load_failed(self, message: str) -> None:
         self._loading = None
+        self._send_when_ready = False
         self.load_panel.hide()
         self.statusBar().showMessage("No model loaded")
         self.show_error(message)
@@ -601,6 +608,7 @@ class MainWindow(QMainWindow):
 
     def _on_load_cancelled(self) -> None:
         self._loading = None
+        self._send_when_ready = False
         self.load_panel.hide()
         self.statusBar().showMessage("Loading cancelled: choose a model to load")
         self._update_controls()
@@ -613,6 +621,11 @@ class MainWindow(QMainWindow):
     # ================================================================ chat
     def send(self) -> None:
         text = self.prompt.toPlainText().strip()
+        if text and self._loading is not None and self._generation is None:
+            # Typed before the model was ready: send it as soon as loading ends.
+            self._send_when_ready = True
+            self.statusBar().showMessage("Will send when the model is ready…")
+            return
         if not text or not self._can_send():
             return
         conversation = self.conversation
@@ -909,7 +922,9 @@ class MainWindow(QMainWindow):
 
     def _update_controls(self) -> None:
         generating = self._generation is not None
-        self.send_button.setEnabled(self._can_send())
+        self.send_button.setEnabled(
+            self._can_send() or (self._loading is not None and self._generation is None)
+        )
         self.send_button.setToolTip("" if self.pair else "Waiting for a model to load")
         self.stop_button.setEnabled(generating)
         self.stop_action.setEnabled(generating)
