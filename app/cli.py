@@ -6,7 +6,8 @@ import argparse
 
 from specdec_core.cli import add_model_options
 
-from .settings import THEMES
+# Here rather than in settings.py so that `specdec --help` does not import Qt.
+THEMES = ("system", "light", "dark")
 
 
 def add_chat_options(parser: argparse.ArgumentParser) -> None:

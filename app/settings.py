@@ -13,6 +13,7 @@ from pathlib import Path
 
 from PySide6.QtCore import QByteArray, QSettings
 
+from .cli import THEMES
 from .conversations import DATA_DIR_ENV, data_dir
 
 KEY_TARGET = "models/target"
@@ -34,7 +35,6 @@ KEY_TOP_K = "generation/topK"
 KEY_SEED = "generation/seed"  # -1 = random
 KEY_DRAFT_LENGTH = "generation/draftLength"  # 0 = adaptive
 
-THEMES = ("system", "light", "dark")
 MAX_RECENT_MODELS = 12
 
 
