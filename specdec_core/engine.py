@@ -68,6 +68,9 @@ class _Run:
     target_forwards: int = 0
     decode_seconds: float = 0.0
     prefill_seconds: float = 0.0
+    # Time the consumer held the generator between events (a UI rendering, a test
+    # pausing): not the engine's, so not in decode_seconds or the speedup.
+    paused_seconds: float = 0.0
 
 
 class SpeculativeEngine:
@@ -169,7 +172,8 @@ class SpeculativeEngine:
             for token_id, source, t_prob, d_prob in new:
                 tokens.append(token_id)
                 committed += 1
-                yield TokenEvent(token_id, detok.push(token_id), source, run.steps, t_prob, d_prob)
+                event = TokenEvent(token_id, detok.push(token_id), source, run.steps, t_prob, d_prob)
+                yield from _emit(run, event)
                 if token_id in self.stop_token_ids:
                     stopped = True
                     break
@@ -178,12 +182,12 @@ class SpeculativeEngine:
             # Both caches now drop everything past the committed tokens.
             self.target.crop(len(tokens) - 1)
             self.drafter.sync(tokens)
-            run.decode_seconds = time.perf_counter() - decode_start
-            yield self._step_event(run, k, draft, verdict, committed, verify_seconds, tokens)
+            run.decode_seconds = time.perf_counter() - decode_start - run.paused_seconds
+            yield from _emit(run, self._step_event(run, k, draft, verdict, committed, verify_seconds, tokens))
             if stopped:
                 stop_reason = "eos"
                 break
-        run.decode_seconds = time.perf_counter() - decode_start
+        run.decode_seconds = time.perf_counter() - decode_start - run.paused_seconds
         stats = self._stats(run, tokens, stop_reason, k_hist, position_hits, position_trials)
         new_ids = tuple(tokens[run.prompt_len :])
         yield DoneEvent(token_ids=new_ids, text=self._decode(new_ids), stats=stats)
@@ -350,3 +354,10 @@ def _time_forward(runner: CachedModel, context: list[int], m: int) -> float:
     start = time.perf_counter()
     runner.forward(context[:m], logits_to_keep=m)
     return time.perf_counter() - start
+
+
+def _emit(run: _Run, event: Event) -> Iterator[Event]:
+    """Yield one event, booking the time the consumer keeps us suspended as paused."""
+    start = time.perf_counter()
+    yield event
+    run.paused_seconds += time.perf_counter() - start
