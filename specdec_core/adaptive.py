@@ -60,6 +60,14 @@ class CostModel:
         self._draft_recent.clear()
 
     def verify_seconds(self, m: int) -> float | None:
+        """t_verify(m), never below a smaller size's: a size last timed in a calm moment
+        must not look cheaper than a smaller one timed under load just now."""
+        t = self._fitted_verify_seconds(m)
+        if t is None:
+            return None
+        return max(t, max((v for n, v in self.verify.items() if n < m), default=0.0))
+
+    def _fitted_verify_seconds(self, m: int) -> float | None:
         """Measured t_verify(m), else interpolated/extrapolated from a least-squares line."""
         if m in self.verify:
             return self.verify[m]

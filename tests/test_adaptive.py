@@ -112,3 +112,9 @@ def test_one_stalled_forward_does_not_move_the_cost():
     for _ in range(4):  # a lasting change (a longer context) is followed within a few steps
         costs.observe_verify(4, 0.2)
     assert costs.verify[4] == 0.2
+
+
+def test_a_size_timed_earlier_never_looks_cheaper_than_a_smaller_one():
+    # 1-token steps slowed by load just now; 2-token verify last timed when calm.
+    costs = CostModel(verify={1: 0.30, 2: 0.12})
+    assert costs.verify_seconds(2) == 0.30
