@@ -62,6 +62,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the full results as JSON")
     p.add_argument("--markdown", type=Path, default=None, metavar="OUT", help="write a readable report")
     p.add_argument("--plot", type=Path, default=None, metavar="OUT.png", help="bar chart of speedups")
+    p.add_argument(
+        "--from-json",
+        type=Path,
+        default=None,
+        metavar="RESULTS",
+        help="render a saved --json run again (markdown, plot, summary) without running anything",
+    )
     p.set_defaults(func=_bench)
 
 
@@ -70,6 +77,13 @@ def _bench(args: argparse.Namespace) -> int:
     from .loading import load_model
     from .pair import load_draft
 
+    if args.from_json:
+        try:
+            doc = json.loads(args.from_json.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise SpecdecError(f"cannot read bench results {args.from_json}: {exc}") from exc
+        _write_outputs(BenchReport.from_json(doc), args)
+        return 0
     target_ref, draft_spec = args.target, args.draft
     methods = _method_names(args.methods, draft_spec)
     prompts = _select_prompts(args)

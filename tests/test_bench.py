@@ -174,3 +174,10 @@ def test_first_divergence_and_geomean() -> None:
     assert first_divergence([1, 2], [1, 2, 3]) == 2
     assert geomean([2.0, 0.5]) == pytest.approx(1.0)
     assert BenchPrompt("a", "c", "hi").messages[-1].content == "hi"
+
+
+def test_a_saved_run_renders_again_without_models(report: dict, tmp_path: Path) -> None:
+    out = tmp_path / "again.md"
+    code = main(["bench", "--from-json", str(Path(report["_out"]) / "bench.json"), "--markdown", str(out)])
+    assert code == 0
+    assert out.read_text() == (Path(report["_out"]) / "bench.md").read_text()
