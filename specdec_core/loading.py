@@ -19,6 +19,7 @@ from typing import Any
 import psutil
 import torch
 
+from .batch_invariant import make_batch_invariant
 from .errors import ModelLoadError
 from .progress import Progress, ProgressCallback, check_cancelled
 from .quant_cpu import int8_available, quantize_linears_int8
@@ -145,6 +146,8 @@ def _load_weights(path: Path, ref: str, device: str, precision: str) -> Any:
         raise ModelLoadError(f"{ref}: cannot read the weights ({_first_line(exc)})") from exc
     if precision == "int8" and device == "cpu":
         quantize_linears_int8(model)
+        # With row-wise attention too, verify and plain decoding give bitwise-equal logits.
+        make_batch_invariant(model)
     return model.eval()
 
 
