@@ -285,6 +285,61 @@ def build_methods(
     return {name: factories[name]() for name in METHODS if name in names}
 
 
+# -- the verify-cost curve ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CostCurve:
+    """Seconds of one forward of m tokens after a cached context: t_verify(m) for the
+    target (a verify of m - 1 draft tokens), t_draft for the draft's 1-token step."""
+
+    context_tokens: int
+    repeats: int
+    target_min: dict[int, float]
+    target_median: dict[int, float]
+    draft_min: float | None
+    draft_median: float | None
+
+
+def measure_cost_curve(
+    target_model: Any,
+    draft_model: Any = None,
+    sizes: Sequence[int] = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16),
+    repeats: int = 9,
+    context_tokens: int = 200,
+) -> CostCurve:
+    """Interleaved repeats (all sizes, then again) so a burst of load hits every size alike."""
+    from .kvcache import CachedModel
+
+    vocab = int(target_model.config.get_text_config().vocab_size)
+    context = torch.randint(0, vocab, (context_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
+    runners = [CachedModel(target_model)] + ([CachedModel(draft_model)] if draft_model is not None else [])
+    for runner in runners:
+        runner.forward(context, logits_to_keep=1)
+    timings: dict[int, list[float]] = {m: [] for m in sizes}
+    draft: list[float] = []
+
+    def timed(runner: CachedModel, m: int) -> float:
+        runner.crop(context_tokens)
+        start = time.perf_counter()
+        runner.forward(context[:m], logits_to_keep=m)
+        return time.perf_counter() - start
+
+    for _ in range(repeats):
+        for m in sizes:
+            timings[m].append(timed(runners[0], m))
+        if len(runners) > 1:
+            draft.append(timed(runners[1], 1))
+    return CostCurve(
+        context_tokens=context_tokens,
+        repeats=repeats,
+        target_min={m: min(t) for m, t in timings.items()},
+        target_median={m: statistics.median(t) for m, t in timings.items()},
+        draft_min=min(draft) if draft else None,
+        draft_median=statistics.median(draft) if draft else None,
+    )
+
+
 # -- results -----------------------------------------------------------------------
 
 

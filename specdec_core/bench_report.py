@@ -14,7 +14,7 @@ from typing import Any
 import psutil
 import torch
 
-from .bench import BenchReport, GroupSummary, Result
+from .bench import BenchReport, CostCurve, GroupSummary, Result
 
 
 def machine_info() -> dict[str, Any]:
@@ -195,6 +195,27 @@ def _results_table(results: list[Result]) -> list[str]:
         ],
         rows,
     )
+
+
+def cost_curve_markdown(curve: CostCurve) -> str:
+    """The verify-cost table of docs/performance.md."""
+    ms = list(curve.target_min)
+    lines = _table(
+        ["m tokens", *map(str, ms)],
+        [
+            ["target, min (ms)", *[f"{curve.target_min[m] * 1e3:.0f}" for m in ms]],
+            ["target, median (ms)", *[f"{curve.target_median[m] * 1e3:.0f}" for m in ms]],
+        ],
+    )
+    if curve.draft_min is not None and curve.draft_median is not None:
+        c = curve.draft_median / curve.target_median[ms[0]] if ms and ms[0] == 1 else None
+        ratio = f", c = {c:.2f}" if c is not None else ""
+        lines.append(
+            f"\ndraft 1-token step: min {curve.draft_min * 1e3:.0f} ms, "
+            f"median {curve.draft_median * 1e3:.0f} ms{ratio}"
+        )
+    lines.append(f"\n({curve.repeats} interleaved repeats after a {curve.context_tokens}-token context)")
+    return "\n".join(lines) + "\n"
 
 
 # -- plot --------------------------------------------------------------------------

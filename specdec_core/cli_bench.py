@@ -11,7 +11,9 @@ import json
 import shlex
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 from .bench import (
     AUTO_DRAFTER,
@@ -69,6 +71,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="RESULTS",
         help="render a saved --json run again (markdown, plot, summary) without running anything",
     )
+    p.add_argument(
+        "--cost-curve",
+        action="store_true",
+        help="only time target forwards of 1..16 tokens and a draft step (the verify-cost curve)",
+    )
     p.set_defaults(func=_bench)
 
 
@@ -97,7 +104,11 @@ def _bench(args: argparse.Namespace) -> int:
     machine = machine_info()  # before loading: the load average then is the machine's, not ours
     target = load_model(target_ref, device=args.device, precision=args.precision, progress=stderr_progress)
     needs_draft = any(needs_draft_model(m) for m in methods)
+    if args.cost_curve:
+        needs_draft = draft_spec not in ("ngram", "none")
     draft = load_draft(draft_spec, target, progress=stderr_progress)[1] if needs_draft else None
+    if args.cost_curve:
+        return _cost_curve(target, draft, machine, args)
     print(f"specdec bench: target on {target.description}, calibrating…", file=sys.stderr)
     built = build_methods(
         methods,
@@ -128,6 +139,22 @@ def _bench(args: argparse.Namespace) -> int:
     }
     report = BenchReport.build(config, machine, results)
     _write_outputs(report, args)
+    return 0
+
+
+def _cost_curve(target: Any, draft: Any, machine: dict[str, Any], args: argparse.Namespace) -> int:
+    from .bench import measure_cost_curve
+    from .bench_report import cost_curve_markdown, machine_line
+
+    print("specdec bench: timing forwards…", file=sys.stderr)
+    curve = measure_cost_curve(target.model, draft.model if draft else None)
+    text = f"{target.ref} on {target.description}; {machine_line(machine)}\n\n" + cost_curve_markdown(curve)
+    sys.stdout.write(text)
+    if args.markdown:
+        args.markdown.write_text(text, encoding="utf-8")
+    if args.json:
+        doc = {"machine": machine, "target": target.ref, "precision": target.precision, **asdict(curve)}
+        args.json.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
     return 0
 
 

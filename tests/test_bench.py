@@ -181,3 +181,13 @@ def test_a_saved_run_renders_again_without_models(report: dict, tmp_path: Path) 
     code = main(["bench", "--from-json", str(Path(report["_out"]) / "bench.json"), "--markdown", str(out)])
     assert code == 0
     assert out.read_text() == (Path(report["_out"]) / "bench.md").read_text()
+
+
+def test_cost_curve_times_every_size(pair_dirs: tuple[Path, Path], tmp_path: Path) -> None:
+    target, draft = pair_dirs
+    out = tmp_path / "curve.json"
+    args = ["bench", "--target", str(target), "--draft", str(draft), "--precision", "fp32"]
+    assert main([*args, "--cost-curve", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert set(doc["target_min"]) == {"1", "2", "3", "4", "5", "6", "8", "10", "12", "16"}
+    assert doc["draft_min"] > 0
