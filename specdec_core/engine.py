@@ -22,7 +22,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -59,6 +59,8 @@ class _Run:
     """Mutable bookkeeping of one generate() call."""
 
     prompt_len: int
+    max_draft_length: int
+    stop_reason: str = "max_tokens"  # | "eos" | "cancelled"
     steps: int = 0
     proposed: int = 0
     accepted: int = 0
@@ -71,6 +73,13 @@ class _Run:
     # Time the consumer held the generator between events (a UI rendering, a test
     # pausing): not the engine's, so not in decode_seconds or the speedup.
     paused_seconds: float = 0.0
+    k_histogram: Counter[int] = field(default_factory=Counter)  # drafted tokens per step
+    position_hits: list[int] = field(default_factory=list)  # per draft position: accepted
+    position_trials: list[int] = field(default_factory=list)  # per draft position: reached
+
+    def __post_init__(self) -> None:
+        self.position_hits = [0] * self.max_draft_length
+        self.position_trials = [0] * self.max_draft_length
 
 
 class SpeculativeEngine:
@@ -135,47 +144,30 @@ class SpeculativeEngine:
         if not sampling.greedy:
             generator = torch.Generator()
             generator.manual_seed(params.seed if params.seed is not None else int(time.time_ns() % 2**63))
-        controller = DraftLengthController(
-            max_k=params.max_draft_length, pinned=params.draft_length, costs=self.costs
-        )
-        # Free lookup drafts have their own acceptance, so their own controller.
-        lookup_controller = None
-        if isinstance(self.drafter, LookupThenModelDrafter):
-            lookup_controller = DraftLengthController(
-                max_k=params.max_draft_length, pinned=params.draft_length, costs=self.costs
-            )
+        controller, lookup_controller = self._controllers(params)
         tokens = list(prompt_ids)
-        run = _Run(prompt_len=len(tokens))
+        run = _Run(prompt_len=len(tokens), max_draft_length=params.max_draft_length)
         yield self._prefill(tokens, run)
 
         detok = IncrementalDetokenizer(self.tokenizer)
-        k_hist: Counter[int] = Counter()
-        position_hits = [0] * params.max_draft_length
-        position_trials = [0] * params.max_draft_length
-        stop_reason = "max_tokens"
         decode_start = time.perf_counter()
         while len(tokens) - run.prompt_len < params.max_new_tokens:
             if cancel is not None and cancel.is_set():
-                stop_reason = "cancelled"
+                run.stop_reason = "cancelled"
                 break
             remaining = params.max_new_tokens - (len(tokens) - run.prompt_len)
             k, draft, used = self._draft(tokens, controller, lookup_controller, remaining, params, generator)
             verdict, target_probs, verify_seconds = self._verify(tokens, draft, sampling, generator)
-            self._record_step(run, used, k, draft, verdict, verify_seconds, k_hist)
-            for i in range(min(len(draft.tokens), len(position_trials), verdict.accepted + 1)):
-                position_trials[i] += 1
-                position_hits[i] += i < verdict.accepted
+            self._record_step(run, used, draft, verdict, verify_seconds)
 
-            new = self._committed(draft, verdict, target_probs, run.steps)
-            stopped = False
             committed = 0
-            for token_id, source, t_prob, d_prob in new:
+            for token_id, source, t_prob, d_prob in self._committed(draft, verdict, target_probs):
                 tokens.append(token_id)
                 committed += 1
                 event = TokenEvent(token_id, detok.push(token_id), source, run.steps, t_prob, d_prob)
                 yield from _emit(run, event)
                 if token_id in self.stop_token_ids:
-                    stopped = True
+                    run.stop_reason = "eos"
                     break
                 if len(tokens) - run.prompt_len >= params.max_new_tokens:
                     break
@@ -184,11 +176,10 @@ class SpeculativeEngine:
             self.drafter.sync(tokens)
             run.decode_seconds = time.perf_counter() - decode_start - run.paused_seconds
             yield from _emit(run, self._step_event(run, k, draft, verdict, committed, verify_seconds, tokens))
-            if stopped:
-                stop_reason = "eos"
+            if run.stop_reason == "eos":
                 break
         run.decode_seconds = time.perf_counter() - decode_start - run.paused_seconds
-        stats = self._stats(run, tokens, stop_reason, k_hist, position_hits, position_trials)
+        stats = self._stats(run, tokens)
         new_ids = tuple(tokens[run.prompt_len :])
         yield DoneEvent(token_ids=new_ids, text=self._decode(new_ids), stats=stats)
 
@@ -247,8 +238,20 @@ class SpeculativeEngine:
             verdict = accept_sampled(draft.tokens, draft.probs, target_probs, generator)
         return verdict, target_probs, time.perf_counter() - start
 
+    def _controllers(
+        self, params: GenerationParams
+    ) -> tuple[DraftLengthController, DraftLengthController | None]:
+        """The draft-length controller, and a second one for free lookup drafts (own acceptance)."""
+
+        def make() -> DraftLengthController:
+            return DraftLengthController(
+                max_k=params.max_draft_length, pinned=params.draft_length, costs=self.costs
+            )
+
+        return make(), make() if isinstance(self.drafter, LookupThenModelDrafter) else None
+
     def _committed(
-        self, draft: Draft, verdict: Verdict, target_probs: torch.Tensor, step: int
+        self, draft: Draft, verdict: Verdict, target_probs: torch.Tensor
     ) -> list[tuple[int, Source, float | None, float | None]]:
         """The step's new tokens with provenance and probabilities, in order."""
         out: list[tuple[int, Source, float | None, float | None]] = []
@@ -270,11 +273,9 @@ class SpeculativeEngine:
         self,
         run: _Run,
         controller: DraftLengthController,
-        k: int,
         draft: Draft,
         verdict: Verdict,
         verify_seconds: float,
-        k_hist: Counter[int],
     ) -> None:
         run.steps += 1
         run.proposed += len(draft.tokens)
@@ -283,7 +284,11 @@ class SpeculativeEngine:
         run.verify_seconds += verify_seconds
         run.draft_forwards += draft.forwards
         run.target_forwards += 1
-        k_hist[len(draft.tokens)] += 1
+        run.k_histogram[len(draft.tokens)] += 1
+        # Position i was reached if all before it were accepted; accepted if i < n.
+        for i in range(min(len(draft.tokens), run.max_draft_length, verdict.accepted + 1)):
+            run.position_trials[i] += 1
+            run.position_hits[i] += i < verdict.accepted
         controller.observe(len(draft.tokens), verdict.accepted)
         self.costs.observe_verify(len(draft.tokens) + 1, verify_seconds)
         self.costs.observe_draft(draft.forwards, draft.seconds)
@@ -317,22 +322,19 @@ class SpeculativeEngine:
         self,
         run: _Run,
         tokens: list[int],
-        stop_reason: str,
-        k_hist: Counter[int],
-        hits: list[int],
-        trials: list[int],
     ) -> GenerationStats:
-        per_position = tuple(h / t for h, t in zip(hits, trials, strict=True) if t > 0)
+        pairs = zip(run.position_hits, run.position_trials, strict=True)
+        per_position = tuple(h / t for h, t in pairs if t > 0)
         return GenerationStats(
             drafter=self.drafter.name if self.speculation_enabled else "none",
             prompt_tokens=run.prompt_len,
             new_tokens=len(tokens) - run.prompt_len,
-            stop_reason=stop_reason,
+            stop_reason=run.stop_reason,
             steps=run.steps,
             proposed=run.proposed,
             accepted=run.accepted,
             per_position_acceptance=per_position,
-            k_histogram=dict(k_hist),
+            k_histogram=dict(run.k_histogram),
             target_forwards=run.target_forwards,
             draft_forwards=run.draft_forwards,
             prefill_seconds=run.prefill_seconds,
