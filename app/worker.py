@@ -32,7 +32,6 @@ from specdec_core.errors import Cancelled, IncompatibleDraftError, SpecdecError
 from specdec_core.events import DoneEvent, PrefillEvent, StepEvent, TokenEvent
 from specdec_core.pair import MODEL_FREE_DRAFTS, LoadedPair, load_draft, load_pair
 from specdec_core.progress import Progress
-from specdec_core.stats import theoretical_speedup
 
 from .catalog_info import catalog_verdict
 
@@ -304,19 +303,18 @@ class EngineWorker(QObject):
         stops = engine.stop_token_ids
         batch: list[CommittedToken] = []
         last_emit = time.perf_counter()
-        committed = steps = proposed_total = 0
+        committed = steps = 0
         for event in engine.generate(prompt_ids, request.params, cancel=request.cancel):
             if isinstance(event, TokenEvent):
                 batch.append(_committed(event, event.token_id in stops))
             elif isinstance(event, StepEvent):
                 steps += 1
                 committed += event.committed
-                proposed_total += event.proposed
                 now = time.perf_counter()
                 if now - last_emit >= self.emit_interval_s:
                     self.tokensCommitted.emit(tuple(batch))
                     batch = []
-                    self.gaugesUpdated.emit(self._gauges(engine, event, committed, steps, proposed_total))
+                    self.gaugesUpdated.emit(self._gauges(engine, event, committed, steps))
                     last_emit = now
             elif isinstance(event, PrefillEvent):
                 self.prefilled.emit(event)
@@ -329,18 +327,14 @@ class EngineWorker(QObject):
                 )
                 self.answerDone.emit(AnswerDone(tuple(batch), event, text))
 
-    def _gauges(self, engine, event: StepEvent, committed: int, steps: int, proposed: int) -> GaugeUpdate:
-        t_target = engine.costs.verify_seconds(1) or 0.0
-        t_draft = engine.costs.draft_token or 0.0
-        c = t_draft / t_target if t_target > 0 else 0.0
-        mean_k = proposed / steps if steps else 0.0
+    def _gauges(self, engine, event: StepEvent, committed: int, steps: int) -> GaugeUpdate:
         return GaugeUpdate(
             tokens_per_second=event.tokens_per_second,
             acceptance_rate=event.acceptance_rate,
             mean_accepted_length=committed / steps if steps else 0.0,
             k=event.k,
             measured_speedup=event.measured_speedup,
-            theoretical_speedup=theoretical_speedup(event.acceptance_rate, mean_k, c),
+            theoretical_speedup=event.theoretical_speedup,
             speculating=bool(engine.speculation_enabled),
         )
 

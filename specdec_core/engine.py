@@ -34,7 +34,7 @@ from .drafters import EMPTY_DRAFT, Draft, Drafter, LookupThenModelDrafter, Model
 from .events import DoneEvent, Event, PrefillEvent, Source, StepEvent, TokenEvent
 from .kvcache import CachedModel
 from .sampling import SamplingParams
-from .stats import GenerationStats
+from .stats import GenerationStats, theoretical_speedup
 
 
 @dataclass(frozen=True)
@@ -316,7 +316,15 @@ class SpeculativeEngine:
             tokens_per_second=new_tokens / run.decode_seconds if run.decode_seconds > 0 else 0.0,
             acceptance_rate=run.accepted / run.proposed if run.proposed else 0.0,
             measured_speedup=new_tokens * t1 / run.decode_seconds if run.decode_seconds > 0 else 0.0,
+            theoretical_speedup=self._running_bound(run, t1),
         )
+
+    @staticmethod
+    def _running_bound(run: _Run, t1: float) -> float:
+        if not run.proposed or t1 <= 0:
+            return 1.0
+        c = run.draft_seconds / run.proposed / t1  # as spent: lookup drafts cost ~0
+        return theoretical_speedup(run.accepted / run.proposed, run.proposed / run.steps, c)
 
     def _stats(
         self,

@@ -59,6 +59,7 @@ class StepEvent:
     tokens_per_second: float  # running, over the decode phase
     acceptance_rate: float  # running accepted / proposed
     measured_speedup: float  # running, see GenerationStats.measured_speedup
+    theoretical_speedup: float = 0.0  # running bound for the measured α, mean k and c
 
 
 @dataclass(frozen=True)

@@ -78,9 +78,15 @@ class GenerationStats:
 
     @property
     def cost_ratio(self) -> float:
-        """c = t_draft / t_target (Leviathan et al.)."""
+        """c = t_draft / t_target (Leviathan et al.), t_draft per *proposed* token as spent.
+
+        For a model draft that is one forward per token; free lookup drafts cost ~0, so a
+        mixed drafter's c is the blend it really paid, which keeps the bound meaningful.
+        """
         if self.target_token_seconds <= 0:
             return 0.0
+        if self.proposed > 0:
+            return self.draft_seconds / self.proposed / self.target_token_seconds
         return self.draft_token_seconds / self.target_token_seconds
 
     @property
