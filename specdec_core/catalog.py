@@ -142,7 +142,8 @@ def _parse_entry(item: dict[str, Any]) -> ModelEntry:
 def _parse_source(item: dict[str, Any]) -> Source:
     if item["kind"] == "package-index":
         parts = tuple(
-            IndexPart(p["package"], p["version"], p["member"], int(p["size"]), p["sha256"]) for p in item["parts"]
+            IndexPart(p["package"], p["version"], p["member"], int(p["size"]), p["sha256"])
+            for p in item["parts"]
         )
         if sum(p.size for p in parts) != int(item["size"]):
             raise ValueError(f"catalog.json: the parts of {item['file_name']} do not add up to its size")

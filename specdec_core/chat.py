@@ -7,8 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-# End-of-turn markers of common families; whichever the vocabulary has also stops generation.
-END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>")
+from .compat import stop_tokens
 
 
 @dataclass(frozen=True)
@@ -35,8 +34,9 @@ def encode_chat(tokenizer: Any, messages: Sequence[Message], system: str | None 
 
 
 def stop_token_ids(tokenizer: Any, model: Any = None) -> set[int]:
-    """EOS of the tokenizer and generation config, plus the family's end-of-turn tokens."""
-    ids: set[int] = set()
+    """EOS and added end-of-turn tokens (`compat.stop_tokens`), plus the generation config's EOS."""
+    vocab = tokenizer.get_vocab()
+    ids = {vocab[token] for token in stop_tokens(tokenizer, vocab)}
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
     config_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
@@ -44,7 +44,4 @@ def stop_token_ids(tokenizer: Any, model: Any = None) -> set[int]:
         ids.add(config_eos)
     elif config_eos:
         ids.update(int(i) for i in config_eos)
-    # Only *added* (special) tokens: in some vocabularies e.g. "</s>" is ordinary text.
-    added = tokenizer.get_added_vocab()
-    ids.update(added[t] for t in END_OF_TURN_TOKENS if t in added)
     return ids

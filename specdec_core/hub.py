@@ -127,7 +127,9 @@ def _check_repo(repo_id: str, revision: str | None, timeout_s: float, endpoint: 
             f"{repo_id} is gated: accept its licence on its hub page, then log in with `hf auth login`"
         ) from None
     except RepositoryNotFoundError:
-        raise FetchError(f"no model {repo_id} on the hub (or it is private: log in with `hf auth login`)") from None
+        raise FetchError(
+            f"no model {repo_id} on the hub (or it is private: log in with `hf auth login`)"
+        ) from None
     except RevisionNotFoundError:
         raise FetchError(f"{repo_id} has no revision {revision!r} on the hub") from None
     except (TransportError, OfflineModeIsEnabled) as error:
@@ -139,7 +141,9 @@ def _check_repo(repo_id: str, revision: str | None, timeout_s: float, endpoint: 
         raise FetchError(f"the model hub refused {repo_id}: {_first_line(error)}") from None
 
 
-def _progress_bar_class(stage: str, progress: ProgressCallback | None, cancel: threading.Event | None) -> type:
+def _progress_bar_class(
+    stage: str, progress: ProgressCallback | None, cancel: threading.Event | None
+) -> type:
     """A tqdm class for `snapshot_download` that reports its byte counts as `Progress`.
 
     huggingface_hub draws its aggregate "bytes written" bar with the class we pass; we

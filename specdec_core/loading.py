@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import psutil
 import torch
 
 from .batch_invariant import make_batch_invariant
@@ -100,7 +99,9 @@ def load_model(
     model = _load_weights(path, ref, device, precision)
     rows = model.get_input_embeddings().num_embeddings
     if len(tokenizer) > rows:
-        raise ModelLoadError(f"{ref}: its tokenizer has {len(tokenizer)} tokens but the model embeds only {rows}")
+        raise ModelLoadError(
+            f"{ref}: its tokenizer has {len(tokenizer)} tokens but the model embeds only {rows}"
+        )
     check_cancelled(cancel)
     return LoadedModel(
         ref=ref, path=path, model=model, tokenizer=tokenizer, device=device, precision=precision
@@ -175,10 +176,6 @@ def _weights_bytes(path: Path) -> int:
 
 def _bf16_bytes(weight_bytes: int) -> float:
     return weight_bytes / 2  # checkpoints here are fp32 (converted GGUF) or bf16; assume the larger
-
-
-def available_ram() -> int:
-    return int(psutil.virtual_memory().available)
 
 
 def _first_line(exc: BaseException) -> str:

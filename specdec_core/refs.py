@@ -35,11 +35,15 @@ def resolve_model_ref(
     path = Path(ref).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise ModelLoadError(f"{path} is a folder but holds no config.json: not a Hugging Face model folder")
+            raise ModelLoadError(
+                f"{path} is a folder but holds no config.json: not a Hugging Face model folder"
+            )
         return path
     if path.is_file():
         if path.suffix.lower() != ".gguf":
-            raise ModelLoadError(f"{path} is a file but not a .gguf model; give a .gguf file or a model folder")
+            raise ModelLoadError(
+                f"{path} is a file but not a .gguf model; give a .gguf file or a model folder"
+            )
         return gguf_convert.convert_gguf(path, progress=progress, cancel=cancel)
     entry = load_catalog().get(ref)
     if entry is not None:
@@ -61,12 +65,16 @@ def resolve_catalog_entry(
     """The local HF folder of a catalog model, fetching and converting it on first use."""
     source = entry.source
     if isinstance(source, HubSource):
-        return hub.download_snapshot(source.repo_id, revision=source.revision, progress=progress, cancel=cancel)
+        return hub.download_snapshot(
+            source.repo_id, revision=source.revision, progress=progress, cancel=cancel
+        )
     converted = gguf_convert.find_converted(fetched_gguf_path(entry), source.sha256)
     if converted is not None:
         return converted  # the GGUF itself may have been cleared to save disk; not needed
     gguf = fetch_catalog_gguf(entry, progress=progress, cancel=cancel)
-    return gguf_convert.convert_gguf(gguf, label=entry.name, sha256=source.sha256, progress=progress, cancel=cancel)
+    return gguf_convert.convert_gguf(
+        gguf, label=entry.name, sha256=source.sha256, progress=progress, cancel=cancel
+    )
 
 
 def fetch_catalog_gguf(
@@ -120,4 +128,6 @@ def is_model_present(ref: str) -> bool:
 
 
 def _looks_like_path(ref: str) -> bool:
-    return ref.startswith((".", "/", "~")) or ref.lower().endswith(".gguf") or "\\" in ref or ref.count("/") > 1
+    return (
+        ref.startswith((".", "/", "~")) or ref.lower().endswith(".gguf") or "\\" in ref or ref.count("/") > 1
+    )
