@@ -13,6 +13,7 @@ import sys
 
 from PySide6.QtWidgets import QApplication, QMainWindow
 
+from . import gc_guard
 from .cli import chat_parser
 
 _app: QApplication | None = None  # kept alive for windows built outside of main()
@@ -29,6 +30,7 @@ def _application() -> QApplication:
     app.setOrganizationName("specdec")
     app.setApplicationDisplayName("specdec")
     app.setDesktopFileName("specdec")  # matches packaging/specdec.desktop (icon on Wayland)
+    gc_guard.install(app)
     return app
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 from pathlib import Path
 
@@ -30,3 +31,12 @@ def tiny_folder(tmp_path_factory, tokenizer, target) -> Path:
     target.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(autouse=True)
+def _collect_on_the_main_thread():
+    """The app collects garbage on the UI thread only (app.gc_guard); tests that never spin
+    the event loop collect here, between tests, so memory does not pile up."""
+    yield
+    if not gc.isenabled():
+        gc.collect()
