@@ -318,3 +318,15 @@ def test_ui_thread_heartbeat_is_never_late_during_a_generation(qtbot, open_windo
     assert len(message.tokens) == 300
     assert len(gaps) >= 5, f"generation too short to measure ({time.perf_counter() - started:.2f}s)"
     assert max(gaps) - interval_ms <= 100, f"UI thread late by {max(gaps) - interval_ms} ms: {gaps}"
+
+
+def test_a_mistyped_last_conversation_is_a_message_and_the_app_still_starts(qtbot, open_window, models, tmp_path):
+    folder = tmp_path / "data" / "conversations"
+    folder.mkdir(parents=True)
+    (folder / "t.json").write_text(json.dumps({"id": "t", "messages": [1]}), encoding="utf-8")
+    settings = AppSettings()
+    settings.last_conversation = "t"
+    settings.sync()
+    window = open_window("--target", models["target"], "--draft", "ngram")
+    assert "t.json: messages[0] is int, not an object" in window.error_text.text()
+    assert window.conversation.messages == [] and window.send_button.isEnabled()
