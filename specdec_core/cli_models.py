@@ -17,13 +17,12 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TextIO
 
 from . import gguf_convert, hub
 from .catalog import DEFAULT_DRAFT, DEFAULT_TARGET, HubSource, ModelEntry, PackageIndexSource, load_catalog
 from .compat import VOCAB_MAX_SIZE_DIFFERENCE, check_draft_compatibility, config_vocab_size
 from .errors import SpecdecError
-from .progress import Progress
+from .progress import TerminalProgress, human_bytes
 from .refs import entry_state, fetch_catalog_gguf, is_model_present, resolve_catalog_entry, resolve_model_ref
 
 NGRAM = "ngram"
@@ -288,58 +287,7 @@ def _list_cache(as_json: bool) -> None:
     print(f"total {human_bytes(sum(i.size_bytes for i in items))}; `specdec fetch --clear [KIND]` frees it")
 
 
-# --- terminal output ----------------------------------------------------------------------
-
-
-class TerminalProgress:
-    """A progress bar on stderr, redrawn in place on a terminal, a few lines otherwise.
-
-    Stages that differ only in "(part i/n)" share one bar: a fetch of 22 chunks is one
-    download to the user.
-    """
-
-    def __init__(self, stream: TextIO | None = None, min_interval_s: float = 0.1):
-        self.stream = stream or sys.stderr
-        self.interactive = self.stream.isatty()
-        self.min_interval_s = min_interval_s
-        self.bar: str | None = None
-        self.started = 0.0
-        self.start_done = 0
-        self.last_draw = 0.0
-
-    def __call__(self, p: Progress) -> None:
-        bar = p.stage.split(" (part ")[0]
-        now = time.monotonic()
-        if bar != self.bar:
-            if self.bar is not None and self.interactive:
-                self.stream.write("\n")
-            self.bar, self.started, self.start_done, self.last_draw = bar, now, p.done, 0.0
-            if not self.interactive or p.total == 0:
-                self.stream.write(f"{p.stage}…\n" if p.total == 0 else f"{bar}: {human_bytes(p.total)}\n")
-        finished = p.total > 0 and p.done >= p.total
-        if self.interactive and p.total > 0 and (finished or now - self.last_draw >= self.min_interval_s):
-            self.stream.write("\r" + self._line(p, now) + "\x1b[K")
-            self.last_draw = now
-        self.stream.flush()
-
-    def _line(self, p: Progress, now: float) -> str:
-        width = 24
-        filled = int(width * p.done / p.total)
-        elapsed = max(now - self.started, 1e-6)
-        rate = (p.done - self.start_done) / elapsed
-        eta = f" ETA {int((p.total - p.done) / rate)} s" if rate > 0 and p.done < p.total else ""
-        return (
-            f"{p.stage} [{'#' * filled}{'.' * (width - filled)}] {100 * p.done // p.total:3d}% "
-            f"{human_bytes(p.done)}/{human_bytes(p.total)} {human_bytes(int(rate))}/s{eta}"
-        )
-
-
-def human_bytes(n: int) -> str:
-    for unit in ("B", "kB", "MB", "GB"):
-        if abs(n) < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} GB"
+# --- tables -------------------------------------------------------------------------------
 
 
 def _print_table(rows: list[list[str]]) -> None:

@@ -13,9 +13,9 @@ from huggingface_hub import constants as hub_constants
 
 from specdec_core import cli_models, gguf_convert, refs
 from specdec_core.catalog import DEFAULT_DRAFT, DEFAULT_TARGET, SMALL_MODEL, load_catalog
-from specdec_core.cli_models import TerminalProgress, register
+from specdec_core.cli_models import register
 from specdec_core.errors import SpecdecError
-from specdec_core.progress import Progress
+from specdec_core.progress import Progress, TerminalProgress
 
 
 @pytest.fixture(autouse=True)
@@ -179,3 +179,14 @@ def test_progress_without_a_terminal_prints_a_line_per_stage_only():
         bar(Progress("Downloading m (part 1/1)", done, 100))
     bar(Progress("Converting m (first use only, about a minute)", 0, 0))
     assert stream.getvalue().splitlines() == ["Downloading m: 100 B", "Converting m (first use only, about a minute)…"]
+
+
+def test_progress_bar_counts_other_units_without_a_byte_rate_and_shows_the_detail():
+    stream = FakeTerminal()
+    bar = TerminalProgress(stream, min_interval_s=0)
+    bar(Progress("Benchmark", 3, 12, unit="runs"), detail="code-is-prime · ours 5.20 tok/s")
+    bar.close()
+    line = stream.getvalue().split("\r")[-1]
+    assert line.startswith("Benchmark [######") and " 25% 3 runs/12 runs" in line
+    assert "/s ETA" not in line and line.rstrip("\n").endswith("code-is-prime · ours 5.20 tok/s\x1b[K")
+    assert stream.getvalue().endswith("\n")  # close() ends the bar's line
