@@ -13,7 +13,7 @@ import sys
 
 from PySide6.QtWidgets import QApplication, QMainWindow
 
-from . import gc_guard
+from . import gc_guard, qt_platform
 from .cli import chat_parser
 
 _app: QApplication | None = None  # kept alive for windows built outside of main()
@@ -57,6 +57,11 @@ def build_main_window(argv: list[str]) -> QMainWindow:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="specdec: %(message)s")
+    # Qt aborts the process when the xcb plugin cannot load: say what to install instead.
+    hint = qt_platform.check_xcb()
+    if hint is not None:
+        print(hint, file=sys.stderr)
+        return 2
     app = _application()
     window = window_from_args(args)
     window.show()
