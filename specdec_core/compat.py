@@ -18,6 +18,22 @@ must agree on what every id means. The rules follow llama.cpp's speculative exam
 
 The engine must still only let the draft propose ids below the target's vocabulary
 size; within the tolerance those extra ids are padding rows no trained model emits.
+
+`rate_draft(target_ref, draft_ref)` is the one verdict every front end shows (the
+CLI's `models --compatible-with`, the session, the app's draft menu). It decides, in
+this order, without loading weights or downloading anything:
+
+a. "ngram"/"none" fit every target (no second vocabulary).
+b. Two catalog models of different tokenizer families (`vocab` keys) never pair. The
+   key is the catalog's record of which tokenizers agree; siblings that differ only
+   by added tokens (Qwen3's `<think>` on Qwen2.5's ids) get different keys on
+   purpose: those tokens are untrained padding rows in the other model, so a draft
+   that uses them is always rejected and only costs time.
+c. When both models are on disk, their real tokenizers decide (rules 1-3 above).
+d. Otherwise the catalog decides: embedding rows beyond the tolerance refuse; the
+   same family accepts, to be confirmed by (c) once both are downloaded.
+e. A model that is neither in the catalog nor on disk cannot be judged: refused, with
+   the command that fetches it.
 """
 
 from __future__ import annotations
@@ -25,8 +41,11 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Protocol
+
+from .catalog import ModelEntry, load_catalog
 
 VOCAB_MAX_SIZE_DIFFERENCE = 128
 VOCAB_CHECK_START_TOKEN_ID = 5
@@ -51,10 +70,17 @@ class TokenizerLike(Protocol):
     def get_vocab(self) -> dict[str, int]: ...
 
 
+# Draft specs that are not models: nothing to compare.
+MODEL_FREE_DRAFTS = {"ngram": "model-free prompt lookup: works with every target", "none": "no draft: the target alone"}
+
+
 @dataclass(frozen=True)
 class Compatibility:
     compatible: bool
     reason: str  # one line a user can read: "vocab 49152 vs 151936"
+    # What decided it: "tokenizers" (both read from disk), "catalog" (metadata only, checked
+    # again once both are downloaded), or "builtin" (a model-free draft).
+    basis: str = "tokenizers"
 
 
 def check_draft_compatibility(
@@ -223,3 +249,90 @@ def _check_shared_ids(
 
 def _show(token: str | None) -> str:
     return "missing" if token is None else repr(token)
+
+
+# --- the one verdict for a pair of model references -----------------------------------
+
+
+@dataclass(frozen=True)
+class _TokenizerFacts:
+    vocab: dict[str, int]
+    stops: tuple[str, ...]
+    vocab_size: int | None  # embedding rows, from config.json
+
+
+def rate_draft(target_ref: str, draft_ref: str) -> Compatibility:
+    """Whether `draft_ref` can draft for `target_ref`, with a reason a user can act on.
+
+    See the module docstring (a-e) for the rule. Reads tokenizer files only; never downloads.
+    """
+    from .refs import local_folder  # refs -> gguf_convert -> compat: imported when used
+
+    if draft_ref in MODEL_FREE_DRAFTS:
+        return Compatibility(True, MODEL_FREE_DRAFTS[draft_ref], "builtin")
+    target_entry, draft_entry = load_catalog().get(target_ref), load_catalog().get(draft_ref)
+    if target_entry is not None and draft_entry is not None and target_entry.vocab != draft_entry.vocab:
+        return Compatibility(
+            False,
+            f"{draft_entry.vocab} tokenizer, the target uses {target_entry.vocab}: "
+            f"pick a {target_entry.vocab} draft{_suggestion(target_entry)}",
+            "catalog",
+        )
+    target_folder, draft_folder = local_folder(target_ref), local_folder(draft_ref)
+    if target_folder is not None and draft_folder is not None:
+        return _rate_folders(target_folder, draft_folder)
+    target_rows = _rows(target_folder, target_entry)
+    draft_rows = _rows(draft_folder, draft_entry)
+    if target_rows and draft_rows and abs(target_rows - draft_rows) > VOCAB_MAX_SIZE_DIFFERENCE:
+        return Compatibility(False, f"vocab {draft_rows} vs {target_rows}", "catalog")
+    if target_entry is not None and draft_entry is not None:
+        return Compatibility(
+            True, f"same {draft_entry.vocab} tokenizer family (catalog; checked again once both are downloaded)",
+            "catalog",
+        )  # fmt: skip
+    missing = draft_ref if draft_folder is None else target_ref
+    return Compatibility(
+        False, f"{missing} is not on this machine: `specdec fetch {missing}` to compare tokenizers", "catalog"
+    )
+
+
+def _rate_folders(target_folder: Path, draft_folder: Path) -> Compatibility:
+    try:
+        target, draft = _facts(target_folder), _facts(draft_folder)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        return Compatibility(False, f"cannot read a tokenizer: {str(error).strip().splitlines()[0]}")
+    return compare_vocabularies(
+        target.vocab, draft.vocab, target_stops=target.stops, draft_stops=draft.stops,
+        target_vocab_size=target.vocab_size, draft_vocab_size=draft.vocab_size,
+    )  # fmt: skip
+
+
+def _facts(folder: Path) -> _TokenizerFacts:
+    files = [folder / name for name in ("tokenizer.json", "tokenizer_config.json", "config.json")]
+    stamp = tuple(f.stat().st_mtime_ns if f.is_file() else 0 for f in files)
+    return _facts_cached(str(folder.resolve()), stamp)
+
+
+@lru_cache(maxsize=32)
+def _facts_cached(folder: str, _stamp: tuple[int, ...]) -> _TokenizerFacts:
+    # Rating a menu of drafts reads each tokenizer once per process (150k-token vocabularies
+    # take about a second); a changed file changes `_stamp` and is read again.
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
+    vocab = tokenizer.get_vocab()
+    return _TokenizerFacts(vocab, tuple(stop_tokens(tokenizer, vocab)), config_vocab_size(folder))
+
+
+def _rows(folder: Path | None, entry: ModelEntry | None) -> int | None:
+    if folder is not None:
+        return config_vocab_size(folder)
+    return entry.vocab_size if entry is not None else None
+
+
+def _suggestion(target: ModelEntry) -> str:
+    same_family = [
+        e.name for e in load_catalog().models if e.vocab == target.vocab and "draft" in e.roles and e != target
+    ]
+    drafts = [*target.recommended_drafts, *same_family]
+    return f" such as {drafts[0]}" if drafts else ""

@@ -127,6 +127,26 @@ def is_model_present(ref: str) -> bool:
     return bool(_HUB_ID.match(ref)) and hub.local_snapshot(ref) is not None
 
 
+def local_folder(ref: str) -> Path | None:
+    """The HF folder of `ref` if it is on this machine ready to read, else None.
+
+    Never downloads or converts: this is what a verdict or a listing may look at.
+    """
+    path = Path(ref).expanduser()
+    if path.is_dir():
+        return path if (path / "config.json").is_file() else None
+    if path.is_file():
+        return gguf_convert.find_converted(path) if path.suffix.lower() == ".gguf" else None
+    entry = load_catalog().get(ref)
+    if entry is not None:
+        source = entry.source
+        if isinstance(source, HubSource):
+            return hub.local_snapshot(source.repo_id, source.revision)
+        folder = gguf_convert.converted_path(source.sha256)
+        return folder if gguf_convert.is_converted(folder) else None
+    return hub.local_snapshot(ref) if _HUB_ID.match(ref) else None
+
+
 def _looks_like_path(ref: str) -> bool:
     return (
         ref.startswith((".", "/", "~")) or ref.lower().endswith(".gguf") or "\\" in ref or ref.count("/") > 1

@@ -10,12 +10,14 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from specdec_core.catalog import DEFAULT_DRAFT, DEFAULT_TARGET, SMALL_MODEL
 from specdec_core.compat import (
     VOCAB_MAX_SIZE_DIFFERENCE,
     Compatibility,
     check_draft_compatibility,
     check_folders,
     compare_vocabularies,
+    rate_draft,
     stop_tokens,
 )
 
@@ -159,3 +161,54 @@ def test_only_added_tokens_count_as_end_of_turn_markers():
     # In Qwen's byte-level vocabulary "</s>" is an ordinary merge a model may write mid-answer.
     tokenizer = VocabOnly({"</s>": 7, "<|endoftext|>": 8, "<|im_end|>": 9}, {"<|endoftext|>": 8, "<|im_end|>": 9}, "<|im_end|>")
     assert stop_tokens(tokenizer) == ["<|im_end|>", "<|endoftext|>"]
+
+
+# --- rate_draft: the one verdict of the CLI, the session and the app -------------------
+
+
+@pytest.fixture
+def empty_caches(tmp_path, monkeypatch):
+    from huggingface_hub import constants as hub_constants
+
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "specdec-cache"))
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(tmp_path / "hf-hub"))
+
+
+def test_rate_draft_reads_the_real_tokenizers_of_two_local_folders(tmp_path, tokenizer, empty_caches):
+    target = write_folder(tmp_path / "target", tokenizer, 200)
+    same = write_folder(tmp_path / "same", tokenizer, 200)
+    other = write_folder(tmp_path / "other", train_tokenizer(["zebra yak xylophone quartz jumps"] * 3), 200)
+    assert rate_draft(str(target), str(same)) == Compatibility(
+        True, f"compatible: same {len(tokenizer.get_vocab())}-token vocabulary", "tokenizers"
+    )
+    refused = rate_draft(str(target), str(other))
+    assert not refused.compatible and refused.basis == "tokenizers"
+    assert refused.reason.startswith("token ") and "in the draft but" in refused.reason
+
+
+def test_rate_draft_refuses_catalog_models_of_another_tokenizer_family_and_names_one_that_fits(empty_caches):
+    verdict = rate_draft(DEFAULT_TARGET, "qwen3-0.6b")  # same size, ids nearly agree: still another family
+    assert verdict == Compatibility(
+        False,
+        f"qwen3 tokenizer, the target uses qwen2.5: pick a qwen2.5 draft such as {DEFAULT_DRAFT}",
+        "catalog",
+    )
+    assert rate_draft(DEFAULT_TARGET, SMALL_MODEL).reason.startswith("smollm2 tokenizer")
+
+
+def test_rate_draft_accepts_a_same_family_catalog_draft_before_download_pending_the_real_check(empty_caches):
+    verdict = rate_draft("qwen2.5-coder-7b-instruct", DEFAULT_DRAFT)  # 152064 vs 151936 rows: within 128
+    assert verdict.compatible and verdict.basis == "catalog"
+    assert "checked again once both are downloaded" in verdict.reason
+
+
+def test_model_free_drafts_fit_every_target_and_unknown_models_say_how_to_fetch(empty_caches):
+    assert rate_draft("acme/absent", "ngram") == Compatibility(
+        True, "model-free prompt lookup: works with every target", "builtin"
+    )
+    assert rate_draft(DEFAULT_TARGET, "none").compatible
+    verdict = rate_draft(DEFAULT_TARGET, "acme/absent-draft")
+    assert verdict == Compatibility(
+        False, "acme/absent-draft is not on this machine: `specdec fetch acme/absent-draft` to compare tokenizers",
+        "catalog",
+    )  # fmt: skip

@@ -107,6 +107,7 @@ def test_drafts_for_a_local_folder_are_checked_for_real_and_ngram_always_fits(ca
     tiny_rows = json.loads((tiny_folder / "config.json").read_text())["vocab_size"]
     assert verdicts[SMALL_MODEL] == {
         "name": SMALL_MODEL, "compatible": False, "reason": f"vocab 49152 vs {tiny_rows}", "state": "ready",
+        "basis": "tokenizers",
     }  # fmt: skip
     # Not downloaded: judged from the catalog's vocabulary size, without a download.
     assert verdicts[DEFAULT_DRAFT]["compatible"] is False
@@ -121,9 +122,14 @@ def test_drafts_for_a_catalog_target_not_yet_fetched_come_from_the_catalog_witho
     verdicts = {d["name"]: d for d in run_json(capsys, "models", "--compatible-with", DEFAULT_TARGET)["drafts"]}
     assert DEFAULT_TARGET not in verdicts
     assert verdicts[DEFAULT_DRAFT]["compatible"] is True
-    assert verdicts[SMALL_MODEL]["compatible"] is False and verdicts[SMALL_MODEL]["reason"] == "vocab 49152 vs 151936"
-    assert verdicts["qwen3-0.6b"]["compatible"] is None  # another family, same size: only a real check can tell
-    assert verdicts["llama-3.2-1b-instruct"]["reason"] == "vocab 128256 vs 151936"
+    assert verdicts[DEFAULT_DRAFT]["basis"] == "catalog"
+    assert verdicts[SMALL_MODEL] | {"state": ""} == {
+        "name": SMALL_MODEL, "compatible": False, "state": "", "basis": "catalog",
+        "reason": f"smollm2 tokenizer, the target uses qwen2.5: pick a qwen2.5 draft such as {DEFAULT_DRAFT}",
+    }  # fmt: skip
+    # Another family of the same size is refused too: the same verdict as the app's draft menu.
+    assert verdicts["qwen3-0.6b"]["compatible"] is False
+    assert verdicts["qwen3-0.6b"]["reason"].startswith("qwen3 tokenizer, the target uses qwen2.5")
 
 
 def test_fetch_prints_each_model_and_its_folder_and_draws_progress_on_stderr(capsys, monkeypatch, tmp_path):
