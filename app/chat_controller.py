@@ -15,7 +15,14 @@ from PySide6.QtGui import QGuiApplication
 from specdec_core.chat import Message
 
 from .conversation_sidebar import ConversationSidebar
-from .conversations import Conversation, ConversationStore, StoredMessage, StoredToken, title_from
+from .conversations import (
+    Conversation,
+    ConversationError,
+    ConversationStore,
+    StoredMessage,
+    StoredToken,
+    title_from,
+)
 from .model_controller import ModelController
 from .settings import AppSettings
 from .side_panel import SidePanel, answer_footer
@@ -259,7 +266,7 @@ class ChatController(QObject):
             return
         try:
             self.conversation = self.store.load(conversation_id)
-        except (OSError, ValueError, KeyError) as exc:
+        except ConversationError as exc:
             self.errorRaised.emit(f"cannot open that conversation: {exc}")
             return
         self.cancel_edit()
@@ -283,9 +290,13 @@ class ChatController(QObject):
             if self.conversation.messages:
                 self._save()
             return
-        conversation = self.store.load(conversation_id)
-        conversation.title = title
-        self.store.save(conversation)
+        try:
+            conversation = self.store.load(conversation_id)
+        except ConversationError as exc:
+            self.errorRaised.emit(f"cannot rename that conversation: {exc}")
+        else:
+            conversation.title = title
+            self.store.save(conversation)
         self.refresh_list()
 
     def delete_conversation(self, conversation_id: str) -> None:
@@ -296,7 +307,7 @@ class ChatController(QObject):
 
     def reopen_last_conversation(self) -> None:
         last = self.settings.last_conversation
-        if last and self.store.path(last).is_file():
+        if last and self.store.exists(last):
             self.open_conversation(last)
 
     def _save(self) -> None:
@@ -305,7 +316,8 @@ class ChatController(QObject):
         self.refresh_list()
 
     def refresh_list(self) -> None:
-        self.sidebar.show_conversations(self.store.list(), self.conversation.id)
+        listing = self.store.scan()
+        self.sidebar.show_conversations(listing.conversations, self.conversation.id, listing.unreadable)
 
     # -- controls ---------------------------------------------------------------------------
     def update_controls(self) -> None:

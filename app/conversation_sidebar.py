@@ -1,7 +1,9 @@
 """The left column: "New chat" and the saved conversations (click opens, double-click renames).
 
 A view only: it lists what it is given and signals what the user asked for;
-`ChatController` opens, renames and deletes.
+`ChatController` opens, renames and deletes. Files that cannot be read are listed
+last, greyed, with the reason as tooltip: clicking one shows the reason, and
+Delete is offered when the file name is a valid conversation id.
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from .conversations import Conversation
+from .conversations import Conversation, Unreadable
 
 ID_ROLE = Qt.ItemDataRole.UserRole
+UNREADABLE_ROLE = Qt.ItemDataRole.UserRole + 1  # the reason, on unreadable files' items
 
 
 class ConversationSidebar(QWidget):
@@ -40,7 +43,7 @@ class ConversationSidebar(QWidget):
         self.list.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         self.list.setContextMenuPolicy(Qt.ContextMenuPolicy.CustomContextMenu)
         self.list.customContextMenuRequested.connect(self._context_menu)
-        self.list.itemClicked.connect(lambda item: self.openRequested.emit(str(item.data(ID_ROLE))))
+        self.list.itemClicked.connect(self._on_clicked)
         self.list.itemChanged.connect(
             lambda item: self.renameRequested.emit(str(item.data(ID_ROLE)), item.text())
         )
@@ -53,8 +56,10 @@ class ConversationSidebar(QWidget):
         layout.addWidget(self.list)
         self.setMinimumWidth(170)
 
-    def show_conversations(self, conversations: Sequence[Conversation], current_id: str) -> None:
-        """List `conversations` (newest first) and select the open one."""
+    def show_conversations(
+        self, conversations: Sequence[Conversation], current_id: str, unreadable: Sequence[Unreadable] = ()
+    ) -> None:
+        """List `conversations` (newest first), select the open one, then the unreadable files."""
         widget = self.list
         widget.blockSignals(True)
         widget.clear()
@@ -66,16 +71,32 @@ class ConversationSidebar(QWidget):
             widget.addItem(item)
             if conversation.id == current_id:
                 widget.setCurrentItem(item)
+        for bad in unreadable:
+            item = QListWidgetItem(qta.icon("mdi6.file-alert-outline"), f"{bad.name} (unreadable)")
+            item.setData(ID_ROLE, bad.conversation_id)
+            item.setData(UNREADABLE_ROLE, bad.reason)
+            item.setToolTip(bad.reason)
+            item.setForeground(self.palette().placeholderText())
+            widget.addItem(item)
         widget.blockSignals(False)
+
+    def _on_clicked(self, item: QListWidgetItem) -> None:
+        if item.data(ID_ROLE) is not None:  # an unreadable file opens to its reason
+            self.openRequested.emit(str(item.data(ID_ROLE)))
 
     def _context_menu(self, point: QPoint) -> None:
         item = self.list.itemAt(point)
         if item is None:
             return
+        readable = item.data(UNREADABLE_ROLE) is None
+        if not readable and item.data(ID_ROLE) is None:
+            return  # not a name this app wrote: nothing it may rename or delete
         menu = QMenu(self)
-        rename = menu.addAction(qta.icon("mdi6.pencil-outline"), "Rename")
+        rename = menu.addAction(qta.icon("mdi6.pencil-outline"), "Rename") if readable else None
         delete = menu.addAction(qta.icon("mdi6.delete-outline"), "Delete")
         chosen = menu.exec(self.list.viewport().mapToGlobal(point))
+        if chosen is None:
+            return
         if chosen is rename:
             self.list.editItem(item)
         elif chosen is delete:

@@ -330,3 +330,22 @@ def test_a_mistyped_last_conversation_is_a_message_and_the_app_still_starts(qtbo
     window = open_window("--target", models["target"], "--draft", "ngram")
     assert "t.json: messages[0] is int, not an object" in window.error_text.text()
     assert window.conversation.messages == [] and window.send_button.isEnabled()
+    [item] = [window.conversation_list.item(i) for i in range(window.conversation_list.count())]
+    assert item.text() == "t.json (unreadable)" and "messages[0] is int" in item.toolTip()
+
+
+def test_a_shared_file_naming_a_path_outside_cannot_make_delete_leave_the_folder(qtbot, open_window, models, tmp_path):
+    victim = tmp_path / "outside" / "victim.json"
+    victim.parent.mkdir()
+    victim.write_text("precious", encoding="utf-8")
+    folder = tmp_path / "data" / "conversations"
+    folder.mkdir(parents=True)
+    shared = {"id": "../../outside/victim", "title": "Shared", "messages": [{"role": "user", "content": "hi"}]}
+    (folder / "shared.json").write_text(json.dumps(shared), encoding="utf-8")
+    window = open_window("--target", models["target"], "--draft", "ngram")
+    assert window.conversation_list.item(0).text() == "Shared"
+    window.open_conversation("shared")
+    assert window.conversation.id == "shared"
+    window.delete_conversation(window.conversation.id)
+    assert victim.read_text(encoding="utf-8") == "precious" and not (folder / "shared.json").exists()
+    assert window.conversation_list.count() == 0
