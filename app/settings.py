@@ -1,6 +1,7 @@
 """The app's settings: one typed wrapper over QSettings, every key a constant here.
 
-Widgets never touch QSettings or key strings; they read and write these properties.
+Widgets never touch QSettings or key strings; they read and write the attributes
+of `AppSettings`, each declared once as a `Setting` with its key, type and default.
 When `SPECDEC_DATA_DIR` is set (tests, portable installs) the settings live in an
 INI file there instead of the platform's native store, so a test never sees or
 changes the user's real settings.
@@ -9,7 +10,9 @@ changes the user's real settings.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, Generic, TypeVar, overload
 
 from PySide6.QtCore import QByteArray, QSettings
 
@@ -37,9 +40,102 @@ KEY_DRAFT_LENGTH = "generation/draftLength"  # 0 = adaptive
 
 MAX_RECENT_MODELS = 12
 
+T = TypeVar("T")
+
+
+# -- reading back: QSettings returns strings from INI files, so convert explicitly ------------
+def _as_str(value: object, default: str) -> str:
+    return default if value is None else str(value)
+
+
+def _as_int(value: object, default: int) -> int:
+    try:
+        return int(value)  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        return default
+
+
+def _as_float(value: object, default: float) -> float:
+    try:
+        return float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return default
+
+
+def _as_bool(value: object, default: bool) -> bool:
+    if isinstance(value, str):
+        return value.lower() in ("true", "1", "yes")
+    return default if value is None else bool(value)
+
+
+def _as_bytes(value: object, default: QByteArray) -> QByteArray:
+    return value if isinstance(value, QByteArray) else QByteArray(default)
+
+
+def _as_list(value: object, default: list[str]) -> list[str]:
+    if isinstance(value, str):  # INI files store a one-item list as a plain string
+        return [value] if value else []
+    return [str(v) for v in value] if isinstance(value, list | tuple) else list(default)
+
+
+class Setting(Generic[T]):
+    """One persisted value: `key` in QSettings, read back as T through `convert`."""
+
+    def __init__(
+        self,
+        key: str,
+        default: T,
+        convert: Callable[[object, T], T],
+        allowed: tuple[T, ...] | None = None,
+    ) -> None:
+        self.key = key
+        self.default = default
+        self._convert = convert
+        self._allowed = allowed  # values outside it read as the default
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, obj: None, owner: type) -> Setting[T]: ...
+    @overload
+    def __get__(self, obj: AppSettings, owner: type) -> T: ...
+    def __get__(self, obj: AppSettings | None, owner: type) -> Setting[T] | T:
+        if obj is None:
+            return self
+        value = self._convert(obj.qsettings.value(self.key, self.default), self.default)
+        if self._allowed is not None and value not in self._allowed:
+            return self.default
+        return value
+
+    def __set__(self, obj: AppSettings, value: T) -> None:
+        obj.qsettings.setValue(self.key, value)
+
 
 class AppSettings:
     """Typed access to the persisted settings."""
+
+    # models
+    target = Setting(KEY_TARGET, "", _as_str)
+    draft = Setting(KEY_DRAFT, "", _as_str)
+    recent_models = Setting(KEY_RECENT_MODELS, [], _as_list)  # newest first; see remember_model
+    precision = Setting(KEY_PRECISION, "auto", _as_str)
+    device = Setting(KEY_DEVICE, "auto", _as_str)
+    # ui
+    theme = Setting(KEY_THEME, "system", _as_str, allowed=tuple(THEMES))
+    geometry = Setting(KEY_GEOMETRY, QByteArray(), _as_bytes)
+    window_state = Setting(KEY_WINDOW_STATE, QByteArray(), _as_bytes)
+    provenance = Setting(KEY_PROVENANCE, True, _as_bool)
+    speculation = Setting(KEY_SPECULATION, True, _as_bool)
+    last_conversation = Setting(KEY_LAST_CONVERSATION, "", _as_str)
+    # generation
+    system_prompt = Setting(KEY_SYSTEM_PROMPT, "", _as_str)
+    max_new_tokens = Setting(KEY_MAX_NEW_TOKENS, 512, _as_int)
+    temperature = Setting(KEY_TEMPERATURE, 0.0, _as_float)
+    top_p = Setting(KEY_TOP_P, 1.0, _as_float)
+    top_k = Setting(KEY_TOP_K, 0, _as_int)
+    seed = Setting(KEY_SEED, -1, _as_int)
+    draft_length = Setting(KEY_DRAFT_LENGTH, 0, _as_int)
 
     def __init__(self, settings: QSettings | None = None) -> None:
         if settings is None:
@@ -48,189 +144,21 @@ class AppSettings:
                 settings = QSettings(str(path), QSettings.Format.IniFormat)
             else:
                 settings = QSettings("specdec", "specdec")
-        self._s = settings
+        self.qsettings = settings
 
     def sync(self) -> None:
-        self._s.sync()
-
-    # -- helpers: QSettings returns strings from INI files, so convert explicitly ----
-    def _str(self, key: str, default: str) -> str:
-        value = self._s.value(key, default)
-        return default if value is None else str(value)
-
-    def _int(self, key: str, default: int) -> int:
-        try:
-            return int(self._s.value(key, default))
-        except (TypeError, ValueError):
-            return default
-
-    def _float(self, key: str, default: float) -> float:
-        try:
-            return float(self._s.value(key, default))
-        except (TypeError, ValueError):
-            return default
-
-    def _bool(self, key: str, default: bool) -> bool:
-        value = self._s.value(key, default)
-        if isinstance(value, str):
-            return value.lower() in ("true", "1", "yes")
-        return bool(value)
-
-    # -- models ------------------------------------------------------------------------
-    @property
-    def target(self) -> str:
-        return self._str(KEY_TARGET, "")
-
-    @target.setter
-    def target(self, ref: str) -> None:
-        self._s.setValue(KEY_TARGET, ref)
-
-    @property
-    def draft(self) -> str:
-        return self._str(KEY_DRAFT, "")
-
-    @draft.setter
-    def draft(self, spec: str) -> None:
-        self._s.setValue(KEY_DRAFT, spec)
-
-    @property
-    def recent_models(self) -> list[str]:
-        value = self._s.value(KEY_RECENT_MODELS, [])
-        if isinstance(value, str):
-            value = [value] if value else []
-        return [str(v) for v in value or []]
+        self.qsettings.sync()
 
     def remember_model(self, ref: str) -> None:
         """Put a local folder/GGUF/hub id at the top of the recent list (the menus show it)."""
         if ref in ("ngram", "none") or not ref:
             return
-        models = [ref, *(m for m in self.recent_models if m != ref)][:MAX_RECENT_MODELS]
-        self._s.setValue(KEY_RECENT_MODELS, models)
+        self.recent_models = [ref, *(m for m in self.recent_models if m != ref)][:MAX_RECENT_MODELS]
 
-    @property
-    def precision(self) -> str:
-        return self._str(KEY_PRECISION, "auto")
-
-    @precision.setter
-    def precision(self, value: str) -> None:
-        self._s.setValue(KEY_PRECISION, value)
-
-    @property
-    def device(self) -> str:
-        return self._str(KEY_DEVICE, "auto")
-
-    @device.setter
-    def device(self, value: str) -> None:
-        self._s.setValue(KEY_DEVICE, value)
-
-    # -- ui --------------------------------------------------------------------------
-    @property
-    def theme(self) -> str:
-        value = self._str(KEY_THEME, "system")
-        return value if value in THEMES else "system"
-
-    @theme.setter
-    def theme(self, value: str) -> None:
-        self._s.setValue(KEY_THEME, value)
-
-    @property
-    def geometry(self) -> QByteArray:
-        value = self._s.value(KEY_GEOMETRY, QByteArray())
-        return value if isinstance(value, QByteArray) else QByteArray()
-
-    @geometry.setter
-    def geometry(self, value: QByteArray) -> None:
-        self._s.setValue(KEY_GEOMETRY, value)
-
-    @property
-    def window_state(self) -> QByteArray:
-        value = self._s.value(KEY_WINDOW_STATE, QByteArray())
-        return value if isinstance(value, QByteArray) else QByteArray()
-
-    @window_state.setter
-    def window_state(self, value: QByteArray) -> None:
-        self._s.setValue(KEY_WINDOW_STATE, value)
-
-    @property
-    def provenance(self) -> bool:
-        return self._bool(KEY_PROVENANCE, True)
-
-    @provenance.setter
-    def provenance(self, on: bool) -> None:
-        self._s.setValue(KEY_PROVENANCE, on)
-
-    @property
-    def speculation(self) -> bool:
-        return self._bool(KEY_SPECULATION, True)
-
-    @speculation.setter
-    def speculation(self, on: bool) -> None:
-        self._s.setValue(KEY_SPECULATION, on)
-
-    @property
-    def last_conversation(self) -> str:
-        return self._str(KEY_LAST_CONVERSATION, "")
-
-    @last_conversation.setter
-    def last_conversation(self, conversation_id: str) -> None:
-        self._s.setValue(KEY_LAST_CONVERSATION, conversation_id)
-
-    # -- generation ------------------------------------------------------------------
-    @property
-    def system_prompt(self) -> str:
-        return self._str(KEY_SYSTEM_PROMPT, "")
-
-    @system_prompt.setter
-    def system_prompt(self, text: str) -> None:
-        self._s.setValue(KEY_SYSTEM_PROMPT, text)
-
-    @property
-    def max_new_tokens(self) -> int:
-        return self._int(KEY_MAX_NEW_TOKENS, 512)
-
-    @max_new_tokens.setter
-    def max_new_tokens(self, n: int) -> None:
-        self._s.setValue(KEY_MAX_NEW_TOKENS, n)
-
-    @property
-    def temperature(self) -> float:
-        return self._float(KEY_TEMPERATURE, 0.0)
-
-    @temperature.setter
-    def temperature(self, t: float) -> None:
-        self._s.setValue(KEY_TEMPERATURE, t)
-
-    @property
-    def top_p(self) -> float:
-        return self._float(KEY_TOP_P, 1.0)
-
-    @top_p.setter
-    def top_p(self, p: float) -> None:
-        self._s.setValue(KEY_TOP_P, p)
-
-    @property
-    def top_k(self) -> int:
-        return self._int(KEY_TOP_K, 0)
-
-    @top_k.setter
-    def top_k(self, k: int) -> None:
-        self._s.setValue(KEY_TOP_K, k)
-
-    @property
-    def seed(self) -> int:
-        return self._int(KEY_SEED, -1)
-
-    @seed.setter
-    def seed(self, seed: int) -> None:
-        self._s.setValue(KEY_SEED, seed)
-
-    @property
-    def draft_length(self) -> int:
-        return self._int(KEY_DRAFT_LENGTH, 0)
-
-    @draft_length.setter
-    def draft_length(self, k: int) -> None:
-        self._s.setValue(KEY_DRAFT_LENGTH, k)
+    @classmethod
+    def declared(cls) -> dict[str, Setting[Any]]:
+        """Every setting by attribute name (for an About box, a reset, tests)."""
+        return {name: value for name, value in vars(cls).items() if isinstance(value, Setting)}
 
 
 def settings_path_hint() -> Path | None:

@@ -154,3 +154,19 @@ def test_qt_calls_that_return_nothing_keep_none_alive(qapp):
     for _ in range(2000):
         fmt.setLeftMargin(4)
     assert sys.getrefcount(None) - before > -100
+
+
+def test_settings_are_declared_once_with_unique_keys_and_bad_values_read_as_defaults(qapp, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_DATA_DIR", str(tmp_path))
+    from app.settings import KEY_MAX_NEW_TOKENS, KEY_THEME, AppSettings
+
+    declared = AppSettings.declared()
+    keys = [setting.key for setting in declared.values()]
+    assert len(keys) == len(set(keys)) and {"theme", "seed", "geometry"} <= set(declared)
+    settings = AppSettings()
+    settings.qsettings.setValue(KEY_THEME, "purple")
+    settings.qsettings.setValue(KEY_MAX_NEW_TOKENS, "many")
+    assert settings.theme == "system" and settings.max_new_tokens == 512
+    settings.seed = 7
+    settings.sync()
+    assert AppSettings().seed == 7 and AppSettings().geometry.isEmpty()
