@@ -14,7 +14,7 @@ from typing import Any
 import psutil
 import torch
 
-from .bench import BenchReport, CostCurve, GroupSummary, Result
+from .bench import BenchReport, CostCurve, GroupSummary, Result, StepBytes, TargetCheck
 
 
 def machine_info() -> dict[str, Any]:
@@ -99,16 +99,20 @@ def to_markdown(report: BenchReport) -> str:
         f"{c['max_new_tokens']} new tokens, {c['repeats']} repeat(s) (median), {c['prompts']} prompts",
         f"- machine: {machine_line(report.machine)}",
         "",
-        "## Targets (issue 4)",
-        "",
     ]
-    lines += _table(
-        ["bar", "goal", "measured", "met"],
-        [
-            [t.name, t.goal, _x(t.value) if "identity" not in t.name else _pct(t.value), _met(t.met)]
-            for t in report.targets
-        ],
-    )
+    skipped = c.get("skipped_methods") or {}
+    lines += [f"- skipped `{name}`: {reason}" for name, reason in skipped.items()]
+    exactness = c.get("exactness")
+    if exactness:
+        lines.append(
+            f"- exactness self-check: {exactness.get('label')} (max logit difference "
+            f"{exactness.get('max_logit_diff')}, {exactness.get('positions')} positions)"
+        )
+    lines += ["", "## Targets", ""]
+    lines += _table(["bar", "goal", "measured", "met"], [_target_row(t) for t in report.targets])
+    if any(m in report.summary for m in ("llama-server", "llama-server-draft")):
+        lines += ["", "## Against llama.cpp's server (same GGUF files, same threads)", ""]
+        lines += peer_table(report)
     lines += ["", "## Summary (geometric mean of per-prompt speedups)", ""]
     lines += _summary_table(report.summary)
     categories = [g for g in next(iter(report.summary.values()), {}) if g != "all"]
@@ -125,6 +129,27 @@ def to_markdown(report: BenchReport) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _target_row(t: TargetCheck) -> list[str]:
+    value = _pct(t.value) if t.kind == "rate" else _x(t.value)
+    return [t.name, t.goal, value, _met(t.met)]
+
+
+def peer_table(report: BenchReport) -> list[str]:
+    """The issue's table: geomean tok/s end to end, ratio to llama-server plain, identity."""
+    rows = []
+    for method, groups in report.summary.items():
+        s = groups["all"]
+        same = [r for r in report.results if r.method == method and r.reference != method]
+        identity = (
+            f"{sum(r.identical_to_target for r in same)}/{len(same)} (vs {same[0].reference})"
+            if same
+            else "–"
+        )
+        tps = "–" if s.geomean_tokens_per_s is None else f"{s.geomean_tokens_per_s:.2f}"
+        rows.append([method, tps, _x(s.geomean_speedup_vs_llama_server), identity])
+    return _table(["method", "tok/s (geomean)", "vs llama-server plain", "same text"], rows)
+
+
 def _met(met: bool | None) -> str:
     return "n/a" if met is None else ("yes" if met else "**no**")
 
@@ -139,6 +164,7 @@ def _summary_table(summary: dict[str, dict[str, GroupSummary]]) -> list[str]:
                 f"{s.median_tokens_per_s:.2f}",
                 _x(s.geomean_speedup_vs_target),
                 _x(s.geomean_speedup_vs_hf_assisted),
+                _x(s.geomean_speedup_vs_llama_server),
                 f"{s.worst_prompt} ({_x(s.worst_speedup_vs_target)})",
                 _pct(s.identity_rate),
                 _pct(s.mean_acceptance_rate),
@@ -151,6 +177,7 @@ def _summary_table(summary: dict[str, dict[str, GroupSummary]]) -> list[str]:
             "median tok/s",
             "vs target",
             "vs hf-assisted",
+            "vs llama-server",
             "worst prompt",
             "identical",
             "acceptance",
@@ -171,7 +198,7 @@ def _results_table(results: list[Result]) -> list[str]:
                 str(r.new_tokens),
                 f"{r.tokens_per_s:.2f}",
                 _x(r.speedup_vs_target),
-                "yes" if r.identical_to_target else f"**no** (token {r.first_divergence})",
+                _identity(r),
                 "–" if e is None or e.mean_k == 0 else f"{e.acceptance_rate:.0%}",
                 "–" if e is None or e.mean_k == 0 else f"{e.mean_accepted_length:.2f}",
                 "–" if e is None or e.mean_k == 0 else f"{e.mean_k:.1f}",
@@ -197,6 +224,13 @@ def _results_table(results: list[Result]) -> list[str]:
     )
 
 
+def _identity(r: Result) -> str:
+    if r.reference == r.method:
+        return "–"
+    suffix = "" if r.reference == "target" else f" (vs {r.reference})"
+    return ("yes" if r.identical_to_target else f"**no** (token {r.first_divergence})") + suffix
+
+
 def cost_curve_markdown(curve: CostCurve) -> str:
     """The verify-cost table of docs/performance.md."""
     ms = list(curve.target_min)
@@ -215,6 +249,45 @@ def cost_curve_markdown(curve: CostCurve) -> str:
             f"median {curve.draft_median * 1e3:.0f} ms{ratio}"
         )
     lines.append(f"\n({curve.repeats} interleaved repeats after a {curve.context_tokens}-token context)")
+    return "\n".join(lines) + "\n"
+
+
+def roofline_markdown(
+    curve: CostCurve, models: dict[str, StepBytes], bandwidth: float | None, limit: float | None = None
+) -> str:
+    """Bytes one decoding step reads, the speed achieved, and the share of the memory's limit.
+
+    `limit` (bytes/s) defaults to the measured streaming bandwidth.
+    """
+    limit = limit or bandwidth
+    seconds = {"target": curve.target_min.get(1), "draft": curve.draft_min}
+    rows = []
+    for name, b in models.items():
+        t = seconds.get(name)
+        achieved = b.total / t if t else None
+        rows.append(
+            [
+                name,
+                f"{b.weights / 1e9:.3f}",
+                f"{b.kv_cache / 1e6:.1f}",
+                "–" if t is None else f"{t * 1e3:.0f}",
+                "–" if achieved is None else f"{achieved / 1e9:.1f}",
+                "–" if achieved is None or not limit else f"{achieved / limit:.0%}",
+                "–" if not limit else f"{b.total / limit * 1e3:.0f}",
+            ]
+        )
+    lines = _table(
+        ["model", "weights read (GB)", "KV read (MB)", "1-token step, min (ms)", "achieved GB/s",
+         "% of limit", "floor at limit (ms)"],
+        rows,
+    )  # fmt: skip
+    context = next(iter(models.values())).context_tokens if models else 0
+    measured = (
+        f"{bandwidth / 1e9:.1f} GB/s measured (streaming sum of 1 GiB, best of 5)"
+        if bandwidth
+        else "not measured"
+    )
+    lines.append(f"\n(limit: {measured}; KV cache at {context} cached tokens)")
     return "\n".join(lines) + "\n"
 
 

@@ -45,13 +45,17 @@ def add_generation_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-length", default="auto", help="'auto' (adaptive) or a fixed k")
 
 
+def parse_draft_length(text: str) -> int | None:
+    """`--draft-length`: 'auto' (adaptive, None) or a pinned k; shared by generate and bench."""
+    if text == "auto":
+        return None
+    if text.isdigit():
+        return int(text)
+    raise SpecdecError(f"--draft-length must be 'auto' or a whole number, not {text!r}")
+
+
 def generation_params(args: argparse.Namespace) -> GenerationParams:
-    if args.draft_length == "auto":
-        pinned = None
-    elif args.draft_length.isdigit():
-        pinned = int(args.draft_length)
-    else:
-        raise SpecdecError(f"--draft-length must be 'auto' or a whole number, not {args.draft_length!r}")
+    pinned = parse_draft_length(args.draft_length)
     return GenerationParams(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,

@@ -10,25 +10,32 @@ import argparse
 import json
 import shlex
 import sys
+import tempfile
 import time
+from contextlib import ExitStack
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from .bench import (
+    ALL_METHODS,
     AUTO_DRAFTER,
-    METHODS,
+    PEER_METHODS,
     BenchProgress,
     BenchPrompt,
     BenchReport,
     BenchSettings,
+    Method,
     build_methods,
+    check_exactness,
     load_prompts,
     needs_draft_model,
     run_bench,
+    start_peers,
 )
-from .cli import add_model_options, stderr_progress
+from .cli import add_model_options, parse_draft_length, stderr_progress
 from .errors import SpecdecError
+from .threads import default_governor
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -51,8 +58,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--methods",
-        default=",".join(METHODS),
-        help=f"comma-separated subset of {','.join(METHODS)} (target is always needed)",
+        default=",".join(ALL_METHODS),
+        help=f"comma-separated subset of {','.join(ALL_METHODS)} (target is always needed; "
+        "llama-server methods are skipped, with the reason, where they cannot run)",
+    )
+    p.add_argument(
+        "--llama-server",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="llama.cpp's llama-server binary (default: one on PATH or beside this Python)",
     )
     p.add_argument("--categories", default=None, help="comma-separated categories to keep")
     p.add_argument("--ids", default=None, help="comma-separated prompt ids to keep")
@@ -80,7 +95,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from .chat import stop_token_ids
     from .loading import load_model
     from .pair import load_draft
 
@@ -97,6 +111,7 @@ def _bench(args: argparse.Namespace) -> int:
     settings = BenchSettings(args.max_new_tokens, args.repeats, args.warmup_tokens)
     if settings.max_new_tokens < 1 or settings.repeats < 1:
         raise SpecdecError("--max-new-tokens and --repeats must be at least 1")
+    draft_length = parse_draft_length(args.draft_length)
     _quiet_transformers()
 
     from .bench_report import machine_info
@@ -110,17 +125,15 @@ def _bench(args: argparse.Namespace) -> int:
     if args.cost_curve:
         return _cost_curve(target, draft, machine, args)
     print(f"specdec bench: target on {target.description}, calibrating…", file=sys.stderr)
-    built = build_methods(
-        methods,
-        target.model,
-        target.tokenizer,
-        sorted(stop_token_ids(target.tokenizer, target.model)),
-        draft_model=draft.model if draft else None,
-        draft_name=draft.name if draft else "draft",
-        draft_length=_draft_length(args.draft_length),
-    )
-    start = time.perf_counter()
-    results = run_bench(built, prompts, target.tokenizer, settings, _ProgressBar(start))
+    built = _build_ours(methods, target, draft, draft_length)
+    exactness = check_exactness(built)
+    with ExitStack() as servers:
+        peers, skipped = _start_peers(methods, target_ref, draft_spec, args, servers)
+        everything: dict[str, Method] = {**built, **peers}
+        start = time.perf_counter()
+        label = str(exactness["label"]) if exactness else "unchecked"
+        results = run_bench(everything, prompts, target.tokenizer, settings, _ProgressBar(start), label)
+        wall = time.perf_counter() - start
     config = {
         "command": _command_line(args),
         "target": target_ref,
@@ -130,30 +143,84 @@ def _bench(args: argparse.Namespace) -> int:
         "max_new_tokens": settings.max_new_tokens,
         "repeats": settings.repeats,
         "warmup_tokens": settings.warmup_tokens,
-        "methods": list(built),
+        "methods": list(everything),
+        "skipped_methods": skipped,
         "prompts_file": str(args.prompts) if args.prompts else "default suite",
         "prompts": len(prompts),
         "auto_drafter": AUTO_DRAFTER,
         "draft_length": args.draft_length,
-        "wall_seconds": round(time.perf_counter() - start, 1),
+        "exactness": exactness,
+        "threads": _threads_config(),
+        "wall_seconds": round(wall, 1),
     }
     report = BenchReport.build(config, machine, results)
     _write_outputs(report, args)
     return 0
 
 
+def _build_ours(methods: list[str], target: Any, draft: Any, draft_length: int | None) -> dict[str, Method]:
+    from .chat import stop_token_ids
+
+    return build_methods(
+        methods,
+        target.model,
+        target.tokenizer,
+        sorted(stop_token_ids(target.tokenizer, target.model)),
+        draft_model=draft.model if draft else None,
+        draft_name=draft.name if draft else "draft",
+        draft_length=draft_length,
+    )
+
+
+def _start_peers(
+    methods: list[str], target_ref: str, draft_spec: str, args: argparse.Namespace, stack: ExitStack
+) -> tuple[dict[str, Method], dict[str, str]]:
+    """llama.cpp's server at our thread count; skipped methods are said on stderr and kept in the JSON."""
+    wanted = [m for m in methods if m in PEER_METHODS]
+    if wanted:
+        print("specdec bench: starting llama-server…", file=sys.stderr)
+    draft_ref = None if draft_spec in ("ngram", "none") else draft_spec
+    logs = Path(tempfile.mkdtemp(prefix="specdec-llama-server-"))
+    threads = default_governor().max_threads
+    peers, skipped = start_peers(wanted, target_ref, draft_ref, threads, stack, args.llama_server, logs)
+    for name, reason in skipped.items():
+        print(f"specdec bench: skipping {name}: {reason}", file=sys.stderr)
+    return dict(peers), skipped
+
+
+def _threads_config() -> dict[str, object]:
+    governor = default_governor()
+    return {"max": governor.max_threads, "pinned": governor.pinned, "cores": governor.cores}
+
+
 def _cost_curve(target: Any, draft: Any, machine: dict[str, Any], args: argparse.Namespace) -> int:
-    from .bench import measure_cost_curve
-    from .bench_report import cost_curve_markdown, machine_line
+    from .bench import measure_bandwidth, measure_cost_curve, step_bytes
+    from .bench_report import cost_curve_markdown, machine_line, roofline_markdown
 
     print("specdec bench: timing forwards…", file=sys.stderr)
     curve = measure_cost_curve(target.model, draft.model if draft else None)
-    text = f"{target.ref} on {target.description}; {machine_line(machine)}\n\n" + cost_curve_markdown(curve)
+    bandwidth = measure_bandwidth() if target.device == "cpu" else None
+    models = {"target": step_bytes(target.model, curve.context_tokens)}
+    if draft is not None:
+        models["draft"] = step_bytes(draft.model, curve.context_tokens)
+    text = (
+        f"{target.ref} on {target.description}; {machine_line(machine)}\n\n"
+        + cost_curve_markdown(curve)
+        + "\n"
+        + roofline_markdown(curve, models, bandwidth)
+    )
     sys.stdout.write(text)
     if args.markdown:
         args.markdown.write_text(text, encoding="utf-8")
     if args.json:
-        doc = {"machine": machine, "target": target.ref, "precision": target.precision, **asdict(curve)}
+        doc = {
+            "machine": machine,
+            "target": target.ref,
+            "precision": target.precision,
+            **asdict(curve),
+            "step_bytes": {name: asdict(b) for name, b in models.items()},
+            "bandwidth_bytes_per_s": bandwidth,
+        }
         args.json.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
     return 0
 
@@ -173,15 +240,9 @@ def _command_line(args: argparse.Namespace) -> str:
         words += ["--ids", args.ids]
     if args.limit is not None:
         words += ["--limit", str(args.limit)]
+    if args.llama_server:
+        words += ["--llama-server", str(args.llama_server)]
     return " ".join(shlex.quote(w) for w in words)
-
-
-def _draft_length(text: str) -> int | None:
-    if text == "auto":
-        return None
-    if not text.isdigit():
-        raise SpecdecError(f"--draft-length must be 'auto' or a whole number, not {text!r}")
-    return int(text)
 
 
 def _method_names(spec: str, draft_spec: str) -> list[str]:
@@ -189,7 +250,7 @@ def _method_names(spec: str, draft_spec: str) -> list[str]:
     if draft_spec in ("ngram", "none"):
         # No draft model: the methods that need one are dropped (asked for explicitly: an error).
         asked = [m for m in names if needs_draft_model(m)]
-        if asked and spec != ",".join(METHODS):
+        if asked and spec != ",".join(ALL_METHODS):
             raise SpecdecError(f"{', '.join(asked)} need a draft model: pass --draft REF")
         names = [m for m in names if not needs_draft_model(m)]
     return names

@@ -35,6 +35,7 @@ from .events import DoneEvent, Event, PrefillEvent, Source, StepEvent, TokenEven
 from .kvcache import CachedModel
 from .sampling import SamplingParams
 from .stats import GenerationStats
+from .threads import default_governor
 
 
 @dataclass(frozen=True)
@@ -155,6 +156,7 @@ class SpeculativeEngine:
             if cancel is not None and cancel.is_set():
                 run.stop_reason = "cancelled"
                 break
+            default_governor().maybe_adjust()  # threads follow the machine's load (threads.py)
             remaining = params.max_new_tokens - (len(tokens) - run.prompt_len)
             k, draft, used = self._draft(tokens, controller, lookup_controller, remaining, params, generator)
             verdict, target_probs, verify_seconds = self._verify(tokens, draft, sampling, generator)

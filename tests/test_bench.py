@@ -4,13 +4,26 @@ promised schema, our methods reproduce the target's tokens, the files are writte
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
 import torch
 
-from specdec_core.bench import METHODS, BenchPrompt, first_divergence, geomean, load_prompts
+from specdec_core.bench import (
+    METHODS,
+    PEER_METHODS,
+    BenchPrompt,
+    Run,
+    first_divergence,
+    geomean,
+    llama_server,
+    load_prompts,
+    start_peers,
+)
+from specdec_core.bench.results import prompt_results
 from specdec_core.cli import main
 from specdec_core.errors import SpecdecError
 from tests.tiny import perturbed, tiny_model, tiny_tokenizer
@@ -191,3 +204,101 @@ def test_cost_curve_times_every_size(pair_dirs: tuple[Path, Path], tmp_path: Pat
     doc = json.loads(out.read_text())
     assert set(doc["target_min"]) == {"1", "2", "3", "4", "5", "6", "8", "10", "12", "16"}
     assert doc["draft_min"] > 0
+
+
+# -- the peer: llama.cpp's server, played by a fake one --------------------------------------
+
+FAKE_SERVER = r"""
+import json, os, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+args = sys.argv[1:]
+opt = lambda name: args[args.index(name) + 1] if name in args else None
+with open(os.environ["FAKE_LLAMA_ARGS"], "a") as f:
+    f.write(json.dumps(args) + "\n")
+draft = opt("--spec-draft-model")
+
+
+class Handler(BaseHTTPRequestHandler):
+    def log_message(self, *a):
+        pass
+
+    def send(self, code, doc):
+        body = json.dumps(doc).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        self.send(200 if self.path == "/health" else 404, {"status": "ok"})
+
+    def do_POST(self):
+        req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        assert req["temperature"] == 0 and req["cache_prompt"] is False
+        tokens = [(req["prompt"][-1] + i) % 7 for i in range(req["n_predict"])]
+        if draft:
+            tokens[2] = 99  # its speculation changes its own text at token 2
+        timings = {"prompt_ms": 10.0, "predicted_ms": 30.0 if draft else 70.0}
+        self.send(200, {"tokens": tokens, "content": "x", "timings": timings})
+
+
+HTTPServer((opt("--host"), int(opt("--port"))), Handler).serve_forever()
+"""
+
+
+@pytest.fixture
+def fake_llama_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path]:
+    binary = tmp_path / "llama-server"
+    binary.write_text(f"#!{sys.executable}\n{FAKE_SERVER}")
+    binary.chmod(0o755)
+    argv_log = tmp_path / "argv.jsonl"
+    monkeypatch.setenv("FAKE_LLAMA_ARGS", str(argv_log))
+    return binary, argv_log
+
+
+def test_llama_server_runs_the_same_ggufs_at_our_threads_and_is_judged_by_its_own_text(
+    fake_llama_server: tuple[Path, Path], tmp_path: Path
+) -> None:
+    binary, argv_log = fake_llama_server
+    target_gguf, draft_gguf = tmp_path / "t.gguf", tmp_path / "d.gguf"
+    target_gguf.write_bytes(b"GGUF"), draft_gguf.write_bytes(b"GGUF")
+    with ExitStack() as stack:
+        peers, skipped = start_peers(PEER_METHODS, str(target_gguf), str(draft_gguf), 3, stack, binary=binary)
+        assert skipped == {} and set(peers) == set(PEER_METHODS)
+        runs = {name: [peers[name].run([5, 6, 7], 6)] for name in PEER_METHODS}
+        servers = [p.server.process for p in peers.values()]
+    assert all(process.poll() is not None for process in servers)  # stopped with the bench
+    plain, spec = (json.loads(line) for line in argv_log.read_text().splitlines())
+    if "--spec-draft-model" in plain:
+        plain, spec = spec, plain
+    for argv in (plain, spec):
+        assert argv[argv.index("-m") + 1] == str(target_gguf)
+        assert argv[argv.index("--host") + 1] == "127.0.0.1"
+        assert argv[argv.index("-t") + 1] == "3" and argv[argv.index("-tb") + 1] == "3"
+    assert spec[spec.index("--spec-draft-model") + 1] == str(draft_gguf)
+    assert runs["llama-server"][0].seconds == pytest.approx(0.08)  # its own timings: prompt + decode
+
+    runs["target"] = [Run(token_ids=(1, 2, 3, 4, 5, 6), seconds=0.12)]
+    results = {r.method: r for r in prompt_results(BenchPrompt("p", "c", "hi"), 3, runs)}
+    spec_result = results["llama-server-draft"]
+    assert spec_result.reference == "llama-server"
+    assert not spec_result.identical_to_target and spec_result.first_divergence == 2
+    assert spec_result.speedup_vs_llama_server == pytest.approx(2.0)
+    assert results["llama-server"].speedup_vs_target == pytest.approx(1.5)
+
+
+def test_llama_server_is_skipped_with_the_reason_when_absent(
+    report: dict, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # The tiny models are HF folders, not GGUF files: the bench ran without the peer.
+    assert set(report["config"]["skipped_methods"]) == set(PEER_METHODS)
+    assert all(reason for reason in report["config"]["skipped_methods"].values())
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(llama_server, "BINARY_NAMES", ("no-such-llama-server",))
+    gguf = tmp_path / "t.gguf"
+    gguf.write_bytes(b"GGUF")
+    with ExitStack() as stack:
+        peers, skipped = start_peers(["llama-server"], str(gguf), None, 2, stack)
+    assert peers == {} and "no llama-server found" in skipped["llama-server"]

@@ -1,0 +1,68 @@
+"""`specdec bench`: our engine against the target alone, transformers' assisted generation
+and llama.cpp's server, on the same weights, greedy, interleaved per prompt.
+
+One module per part: `prompts` (the suite), `methods` (transformers' and ours),
+`llama_server` (the peer), `runner` (warm-up, interleaving, the exactness self-check),
+`results` (per-prompt results, summaries, the JSON document), `targets` (the bars, as
+data), `cost_curve` (forward timings and the roofline). `bench_report` renders a report;
+`cli_bench` is the command line.
+"""
+
+from .cost_curve import CostCurve, StepBytes, measure_bandwidth, measure_cost_curve, step_bytes
+from .llama_server import start_peers
+from .methods import (
+    ALL_METHODS,
+    AUTO_DRAFTER,
+    BASELINE,
+    METHODS,
+    OURS_PREFIX,
+    PEER_METHODS,
+    EngineMethod,
+    HfMethod,
+    Method,
+    Run,
+    build_methods,
+    needs_draft_model,
+)
+from .prompts import BenchPrompt, encode_prompt, load_prompts
+from .results import BenchReport, EngineFigures, GroupSummary, Result, first_divergence, geomean
+from .runner import BenchProgress, BenchSettings, check_exactness, run_bench
+from .targets import TARGETS, Target, TargetCheck, check_targets
+
+__all__ = [
+    "ALL_METHODS",
+    "AUTO_DRAFTER",
+    "BASELINE",
+    "METHODS",
+    "OURS_PREFIX",
+    "PEER_METHODS",
+    "TARGETS",
+    "BenchProgress",
+    "BenchPrompt",
+    "BenchReport",
+    "BenchSettings",
+    "CostCurve",
+    "EngineFigures",
+    "EngineMethod",
+    "GroupSummary",
+    "HfMethod",
+    "Method",
+    "Result",
+    "Run",
+    "StepBytes",
+    "Target",
+    "TargetCheck",
+    "build_methods",
+    "check_exactness",
+    "check_targets",
+    "encode_prompt",
+    "first_divergence",
+    "geomean",
+    "load_prompts",
+    "measure_bandwidth",
+    "measure_cost_curve",
+    "needs_draft_model",
+    "run_bench",
+    "start_peers",
+    "step_bytes",
+]

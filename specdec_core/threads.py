@@ -1,0 +1,175 @@
+"""Torch's intra-op thread count, following the machine's load (`ThreadGovernor`).
+
+Why: torch's OpenMP threads wait for each other at the end of every op. When another
+process keeps one of the cores busy, the thread that shares it is descheduled for
+whole time slices and every op waits for it. Measured on a 2-core machine with one
+`python -c "while True: pass"` running: the 1.5B target at 2 threads fell to ~31% of
+its quiet speed, at 1 thread it kept ~90% (docs/performance.md). So the thread count
+should be the number of cores other processes leave free, re-checked while running.
+
+How: about once a second (the engine calls `maybe_adjust()` once per step; most calls
+only read a clock) the governor reads how busy every core was since the last check
+and subtracts this process's own use: what is left is the load of other processes.
+It drops threads at once when one of ours would share a core with more than half a
+core of someone else's work, and adds one back only after two checks in a row with
+a free core (hysteresis: a brief lull does not bring the collapse back).
+
+The thread count never changes results: int8 and fp32 rows are computed by the same
+kernels whichever thread runs them (tests/test_threads.py compares 1 and 2 threads
+bitwise). `SPECDEC_THREADS=N` pins N threads (the governor then only applies it);
+unset or `auto` lets the governor choose between 1 and torch's initial count.
+
+Torch keeps the OpenMP thread count per calling thread, so the governor sets it from
+the thread that runs the forwards: the engine's step loop.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import psutil
+import torch
+
+from .errors import SpecdecError
+
+ENV_VAR = "SPECDEC_THREADS"
+CHECK_INTERVAL_S = 1.0
+FIRST_CHECK_S = 0.25  # the first decision comes early: a stalled first second is most of a short answer
+DOWN_MARGIN = 0.5  # drop a thread when it would share a core with > this much foreign work
+UP_MARGIN = 0.25  # add one when a whole core but this much is free ...
+UP_CHECKS = 2  # ... on this many checks in a row
+
+
+class LoadProbe(Protocol):
+    def others_busy(self) -> float:
+        """Cores' worth of CPU time other processes used since the last call."""
+        ...
+
+
+class PsutilProbe:
+    """Per-CPU busy time of the machine minus this process's own CPU time."""
+
+    def __init__(self) -> None:
+        self._process = psutil.Process()
+        self._cpus = _usable_cpus()
+        # Both counters report "since the previous call": prime them now.
+        psutil.cpu_percent(percpu=True)
+        self._process.cpu_percent(None)
+
+    def others_busy(self) -> float:
+        per_cpu = psutil.cpu_percent(percpu=True)
+        busy = sum(per_cpu[i] for i in self._cpus if i < len(per_cpu)) / 100.0
+        own = self._process.cpu_percent(None) / 100.0
+        return max(0.0, busy - own)
+
+
+def _usable_cpus() -> list[int]:
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        return list(range(os.cpu_count() or 1))
+
+
+@dataclass(frozen=True)
+class ThreadDecision:
+    """One check: what it saw and what it chose (kept for docs and tests)."""
+
+    others_busy: float
+    free_cores: float
+    threads: int
+
+
+class ThreadGovernor:
+    """Chooses torch's intra-op thread count from the free cores; see the module doc."""
+
+    def __init__(
+        self,
+        max_threads: int | None = None,
+        *,
+        cores: int | None = None,
+        pinned: int | None = None,
+        probe: LoadProbe | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        interval_s: float = CHECK_INTERVAL_S,
+    ) -> None:
+        self.max_threads = max(1, max_threads or torch.get_num_threads())
+        self.cores = cores or len(_usable_cpus())
+        self.pinned = pinned
+        self._probe = probe
+        self._clock = clock
+        self._interval_s = interval_s
+        self._threads = self.max_threads
+        self._next_check: float | None = None
+        self._free_streak = 0
+        self.last: ThreadDecision | None = None
+
+    @property
+    def threads(self) -> int:
+        """The count the governor wants now (what it applies at the next step)."""
+        return self.pinned if self.pinned is not None else self._threads
+
+    def pin(self, threads: int | None) -> None:
+        """Pin a thread count (None: follow the load again)."""
+        if threads is not None and threads < 1:
+            raise SpecdecError(f"threads must be at least 1, not {threads}")
+        self.pinned = threads
+
+    def maybe_adjust(self) -> None:
+        """Called once per engine step: cheap unless a check is due."""
+        if self.pinned is None:
+            now = self._clock()
+            if self._next_check is None:  # first call: start the measuring window
+                self._probe = self._probe or PsutilProbe()
+                self._next_check = now + min(FIRST_CHECK_S, self._interval_s)
+            elif now >= self._next_check:
+                self._next_check = now + self._interval_s
+                assert self._probe is not None
+                self.last = self.decide(self._probe.others_busy())
+            else:
+                return
+        if torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)
+
+    def decide(self, others_busy: float) -> ThreadDecision:
+        """The thread count for this much foreign load, with hysteresis (see the module doc)."""
+        free = self.cores - others_busy
+        current = self._threads
+        if free < current - DOWN_MARGIN:
+            self._threads = max(1, min(self.max_threads, math.floor(free + DOWN_MARGIN)))
+            self._free_streak = 0
+        elif current < self.max_threads and free >= current + 1 - UP_MARGIN:
+            self._free_streak += 1
+            if self._free_streak >= UP_CHECKS:
+                self._threads = current + 1
+                self._free_streak = 0
+        else:
+            self._free_streak = 0
+        return ThreadDecision(others_busy, free, self._threads)
+
+
+def parse_threads_setting(text: str | None) -> int | None:
+    """`auto`/empty -> None (follow the load); a whole number >= 1 -> pinned."""
+    if text is None or text.strip().lower() in ("", "auto"):
+        return None
+    if not text.strip().isdigit() or int(text) < 1:
+        raise SpecdecError(f"{ENV_VAR} must be 'auto' or a whole number of threads, not {text!r}")
+    return int(text)
+
+
+_default: ThreadGovernor | None = None
+_default_lock = threading.Lock()
+
+
+def default_governor() -> ThreadGovernor:
+    """The process's governor (torch's thread pool is per process), made on first use."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = ThreadGovernor(pinned=parse_threads_setting(os.environ.get(ENV_VAR)))
+        return _default

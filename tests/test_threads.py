@@ -1,0 +1,147 @@
+"""The thread governor: fewer threads when other processes take cores, back up with
+hysteresis, a pinned count obeyed — and the thread count never changes int8 results."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+
+import pytest
+import torch
+from tiny import tiny_model
+from transformers import DynamicCache
+
+from specdec_core.batch_invariant import make_batch_invariant
+from specdec_core.engine import GenerationParams, SpeculativeEngine
+from specdec_core.errors import SpecdecError
+from specdec_core.quant_cpu import int8_available, quantize_linears_int8
+from specdec_core.threads import ThreadGovernor, default_governor, parse_threads_setting
+
+
+class ScriptedLoad:
+    """Foreign load to report, one value per check; counts how often it was asked."""
+
+    def __init__(self, values: list[float]) -> None:
+        self.values = list(values)
+        self.calls = 0
+
+    def others_busy(self) -> float:
+        self.calls += 1
+        return self.values.pop(0)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def restore_threads() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def governor(values: list[float] | None = None, **kwargs: object) -> ThreadGovernor:
+    return ThreadGovernor(max_threads=2, cores=2, probe=ScriptedLoad(values or []), **kwargs)  # type: ignore[arg-type]
+
+
+def test_a_busy_core_drops_to_one_thread_at_once() -> None:
+    g = governor()
+    assert g.decide(0.05).threads == 2  # quiet: keep both cores
+    assert g.decide(1.0).threads == 1  # `while True: pass` on one core
+    assert g.decide(0.6).threads == 1  # more than half a core of foreign work: stay down
+
+
+def test_threads_come_back_only_after_two_quiet_checks() -> None:
+    g = governor()
+    g.decide(1.0)
+    assert g.decide(0.1).threads == 1  # one lull is not enough
+    assert g.decide(0.9).threads == 1
+    assert g.decide(0.1).threads == 1
+    assert g.decide(0.1).threads == 2
+
+
+def test_never_below_one_or_above_the_maximum() -> None:
+    g = ThreadGovernor(max_threads=4, cores=8, probe=ScriptedLoad([]))
+    assert g.decide(7.9).threads == 1
+    for _ in range(10):
+        g.decide(0.0)
+    assert g.threads == 4
+
+
+def test_checks_the_load_only_when_due_and_applies_the_choice(restore_threads: None) -> None:
+    clock = Clock()
+    load = ScriptedLoad([1.0, 0.0, 0.0])
+    g = ThreadGovernor(max_threads=2, cores=2, probe=load, clock=clock, interval_s=1.0)
+    g.maybe_adjust()  # starts the measuring window
+    clock.now = 0.1
+    g.maybe_adjust()
+    assert load.calls == 0
+    clock.now = 0.3  # the first check comes early
+    g.maybe_adjust()
+    assert load.calls == 1 and torch.get_num_threads() == 1
+    clock.now = 0.5
+    g.maybe_adjust()
+    assert load.calls == 1  # next check one interval later
+    for now in (1.4, 2.5):  # two quiet checks: back to two threads
+        clock.now = now
+        g.maybe_adjust()
+    assert load.calls == 3 and torch.get_num_threads() == 2
+
+
+def test_a_pinned_count_is_applied_and_never_measured(restore_threads: None) -> None:
+    load = ScriptedLoad([])
+    g = ThreadGovernor(max_threads=2, cores=2, pinned=1, probe=load)
+    for _ in range(3):
+        g.maybe_adjust()
+    assert torch.get_num_threads() == 1 and load.calls == 0
+    with pytest.raises(SpecdecError):
+        g.pin(0)
+
+
+def test_threads_setting_parses_auto_and_counts() -> None:
+    assert parse_threads_setting(None) is None
+    assert parse_threads_setting("auto") is None
+    assert parse_threads_setting("3") == 3
+    with pytest.raises(SpecdecError, match="SPECDEC_THREADS"):
+        parse_threads_setting("two")
+
+
+def test_the_engine_applies_the_process_governor(target, tokenizer, restore_threads: None) -> None:
+    governor = default_governor()
+    assert governor is default_governor()  # one per process: torch's pool is per process
+    saved = governor.pinned
+    governor.pin(1)
+    torch.set_num_threads(2)
+    try:
+        engine = SpeculativeEngine(target, tokenizer)
+        for _ in engine.generate([1, 2, 3], GenerationParams(max_new_tokens=2)):
+            pass
+        assert torch.get_num_threads() == 1
+    finally:
+        governor.pin(saved)
+
+
+@torch.inference_mode()
+def _logits(model: torch.nn.Module, ids: torch.Tensor, threads: int) -> torch.Tensor:
+    """A 28-token prefill then 4 one-token steps, at `threads` threads."""
+    torch.set_num_threads(threads)
+    cache = DynamicCache(config=model.config)
+    parts = [model(ids[:, :28], cache=cache).logits[0]]
+    parts += [model(ids[:, i : i + 1], cache=cache).logits[0] for i in range(28, 32)]
+    return torch.cat(parts)
+
+
+@pytest.mark.skipif(not int8_available(), reason="this torch build has no fbgemm int8 kernels")
+def test_int8_logits_are_bitwise_equal_at_one_and_two_threads(tokenizer, restore_threads: None) -> None:
+    # Wide enough that the kernels split work between threads (fp32 at this size differs
+    # in the last bits between 1 and 2 threads: its matmuls split the reduction).
+    model = copy.deepcopy(tiny_model(len(tokenizer), seed=0, layers=2, hidden=512))
+    quantize_linears_int8(model)
+    make_batch_invariant(model)
+    ids = torch.randint(0, len(tokenizer), (1, 32), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(_logits(model, ids, 1), _logits(model, ids, 2))
