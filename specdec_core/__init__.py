@@ -1,27 +1,63 @@
 """specdec_core: exact speculative decoding for local language models (Qt-free).
 
-Start at `pair.load_pair()` (load a target and a drafter) and
-`engine.SpeculativeEngine.generate()` (stream typed events).
+Start at `session.ChatSession` (load a target and a drafter, answer a chat, stream
+typed events); `engine.SpeculativeEngine.generate()` is the engine underneath.
+
+The public names below are imported on first use (PEP 562), so that importing the
+package — which every `specdec` command does first — loads neither torch nor
+transformers: `specdec --help` stays fast and Ctrl-C during start-up lands in the
+CLI's handler, not in the middle of an import.
 """
 
-from .chat import Message, encode_chat, stop_token_ids
-from .drafters import Drafter, ModelDrafter, NgramDrafter, NoDrafter
-from .engine import GenerationParams, SpeculativeEngine
-from .errors import SpecdecError
-from .events import DoneEvent, Event, PrefillEvent, Source, StepEvent, TokenEvent
-from .stats import GenerationStats, theoretical_speedup
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from ._requirements import check_requirements
+
+check_requirements()
+
+_EXPORTS = {
+    "ChatSession": "session",
+    "LoadSpec": "session",
+    "SessionInfo": "session",
+    "DraftSpec": "pair",
+    "Message": "chat",
+    "encode_chat": "chat",
+    "stop_token_ids": "chat",
+    "Drafter": "drafters",
+    "ModelDrafter": "drafters",
+    "NgramDrafter": "drafters",
+    "NoDrafter": "drafters",
+    "GenerationParams": "engine",
+    "SpeculativeEngine": "engine",
+    "SpecdecError": "errors",
+    "DoneEvent": "events",
+    "Event": "events",
+    "PrefillEvent": "events",
+    "Source": "events",
+    "StepEvent": "events",
+    "TokenEvent": "events",
+    "GenerationStats": "stats",
+    "theoretical_speedup": "stats",
+}
 
 __all__ = [
+    "ChatSession",
     "DoneEvent",
+    "DraftSpec",
     "Drafter",
     "Event",
     "GenerationParams",
     "GenerationStats",
+    "LoadSpec",
     "Message",
     "ModelDrafter",
     "NgramDrafter",
     "NoDrafter",
     "PrefillEvent",
+    "SessionInfo",
     "Source",
     "SpecdecError",
     "SpeculativeEngine",
@@ -31,3 +67,22 @@ __all__ = [
     "stop_token_ids",
     "theoretical_speedup",
 ]
+
+if TYPE_CHECKING:
+    from .chat import Message, encode_chat, stop_token_ids
+    from .drafters import Drafter, ModelDrafter, NgramDrafter, NoDrafter
+    from .engine import GenerationParams, SpeculativeEngine
+    from .errors import SpecdecError
+    from .events import DoneEvent, Event, PrefillEvent, Source, StepEvent, TokenEvent
+    from .pair import DraftSpec
+    from .session import ChatSession, LoadSpec, SessionInfo
+    from .stats import GenerationStats, theoretical_speedup
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'specdec_core' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value

@@ -2,7 +2,10 @@
 
 `generate` is the headless contract the other tools build on; `models`/`fetch`
 (cli_models), `bench` (cli_bench) and `chat` (the Qt app) register themselves.
-Errors a user can act on print as one line, never a traceback.
+Every failure prints one line, `specdec: error: ...`, and exits 2 when the user can
+change something (input, model, machine) or 1 for a bug of ours (`--debug` shows the
+traceback); Ctrl-C exits 130. Heavy imports (torch, transformers) happen inside
+`main`'s handlers, so even an interrupt during start-up is one line.
 """
 
 from __future__ import annotations
@@ -11,21 +14,25 @@ import argparse
 import importlib
 import json
 import sys
+import traceback
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
-from .chat import Message, encode_chat
-from .engine import GenerationParams
-from .errors import SpecdecError
-from .events import DoneEvent, TokenEvent
-from .loading import DEVICES, PRECISIONS
+from .errors import InternalError, InvalidParameter, SpecdecError
 from .progress import Progress
+
+if TYPE_CHECKING:
+    from .engine import GenerationParams
+    from .session import ChatSession, LoadSpec
 
 # Subcommand modules contributed by other parts; each has `register(subparsers)`.
 _PLUGINS = ("specdec_core.cli_models", "specdec_core.cli_bench", "app.cli")
 
 
 def add_model_options(parser: argparse.ArgumentParser, draft_default: str | None = None) -> None:
-    """--target/--draft/--device/--precision, shared by generate, bench and chat."""
+    """--target/--draft/--device/--precision/--offload/--trust-remote-code, shared by generate, bench and chat."""
+    from .loading import DEVICES, PRECISIONS
+
     parser.add_argument(
         "--target", required=draft_default is None, help="model: HF folder, .gguf, catalog name, hub id"
     )
@@ -34,14 +41,36 @@ def add_model_options(parser: argparse.ArgumentParser, draft_default: str | None
     )
     parser.add_argument("--device", default="auto", choices=DEVICES)
     parser.add_argument("--precision", default="auto", choices=PRECISIONS)
+    parser.add_argument(
+        "--offload", action="store_true", help="CUDA: put layers that do not fit on the CPU (slow)"
+    )
+    parser.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="allow a model's own Python code (auto_map) to run; only for authors you trust",
+    )
+
+
+def load_spec(args: argparse.Namespace, *, draft_fallback: bool = True) -> LoadSpec:
+    from .session import LoadSpec
+
+    return LoadSpec(
+        target=args.target,
+        draft=args.draft,
+        device=args.device,
+        precision=args.precision,
+        offload=getattr(args, "offload", False),
+        trust_remote_code=getattr(args, "trust_remote_code", False),
+        draft_fallback=draft_fallback,
+    )
 
 
 def add_generation_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--max-new-tokens", type=_number(int), default=256)
+    parser.add_argument("--temperature", type=_number(float), default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-p", type=_number(float), default=1.0)
+    parser.add_argument("--top-k", type=_number(int), default=0)
+    parser.add_argument("--seed", type=_number(int), default=None)
     parser.add_argument("--draft-length", default="auto", help="'auto' (adaptive) or a fixed k")
 
 
@@ -51,12 +80,16 @@ def parse_draft_length(text: str) -> int | None:
         return None
     if text.isdigit():
         return int(text)
-    raise SpecdecError(f"--draft-length must be 'auto' or a whole number, not {text!r}")
+    raise InvalidParameter(f"--draft-length must be 'auto' or a whole number, not {text!r}")
 
 
 def generation_params(args: argparse.Namespace) -> GenerationParams:
+    """The parameters of the command line, checked against their ranges (before any model loads)."""
+    from .engine import GenerationParams
+    from .session import check_params
+
     pinned = parse_draft_length(args.draft_length)
-    return GenerationParams(
+    params = GenerationParams(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
@@ -64,6 +97,26 @@ def generation_params(args: argparse.Namespace) -> GenerationParams:
         seed=args.seed,
         draft_length=pinned,
     )
+    try:
+        check_params(params)
+    except InvalidParameter as exc:  # name the flag the user typed
+        name = str(exc).split(" ", 1)[0]
+        raise InvalidParameter(f"--{name.replace('_', '-')} {str(exc).split(' ', 1)[1]}") from None
+    return params
+
+
+def _number(kind: type) -> Any:
+    """An argparse type whose error message is ours (and one line)."""
+
+    def parse(text: str) -> Any:
+        try:
+            return kind(text)
+        except ValueError:
+            word = "a whole number" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"must be {word}, not {text!r}") from None
+
+    parse.__name__ = kind.__name__
+    return parse
 
 
 def stderr_progress(p: Progress) -> None:
@@ -94,49 +147,77 @@ def _register_generate(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from .pair import load_pair
+    from .chat import Message, check_text
+    from .events import DoneEvent, TokenEvent
+    from .session import ChatSession
 
-    params = generation_params(args)
-    pair = load_pair(
-        args.target, args.draft, device=args.device, precision=args.precision, progress=stderr_progress
-    )
-    print(f"specdec: target on {pair.description}, draft {args.draft}", file=sys.stderr)
-    tokenizer = pair.target.tokenizer
-    if args.raw:
-        prompt_ids = [int(i) for i in tokenizer(args.prompt)["input_ids"]]
-    else:
-        prompt_ids = encode_chat(tokenizer, [Message("user", args.prompt)], args.system)
+    params = generation_params(args)  # bad input fails before minutes of loading
+    check_text(args.prompt, "--prompt")
+    if args.raw and not args.prompt:
+        raise InvalidParameter("--prompt is empty: a --raw prompt needs at least one token")
+    session = ChatSession()
+    # A draft that does not fit is refused here, not replaced: the run asked for it.
+    info = session.load(load_spec(args, draft_fallback=False), progress=stderr_progress)
+    print(f"specdec: target on {info.description}, draft {info.draft_name}", file=sys.stderr)
+    if info.warning:
+        print(f"specdec: warning: {info.warning}", file=sys.stderr)
     if not args.no_calibrate and params.draft_length is None:
-        pair.engine.calibrate()
+        session.calibrate()
+    if args.raw:
+        events = session.complete(args.prompt, params=params)
+    else:
+        events = session.answer([Message("user", args.prompt)], system=args.system, params=params)
     tokens: list[dict[str, object]] = []
     done: DoneEvent | None = None
-    for event in pair.engine.generate(prompt_ids, params):
+    stops = session.engine.stop_token_ids
+    for event in events:
         if isinstance(event, TokenEvent):
+            is_stop = getattr(event, "is_stop", event.token_id in stops)
             tokens.append({"id": event.token_id, "text": event.text, "source": event.source.value})
-            if not args.json:
+            if not args.json and not is_stop:
                 sys.stdout.write(event.text)
                 sys.stdout.flush()
         elif isinstance(event, DoneEvent):
             done = event
-    assert done is not None
+    if done is None:
+        raise InternalError("the generation ended without its final event")
+    _report(args, session, done, tokens)
+    return 0
+
+
+def _report(
+    args: argparse.Namespace, session: ChatSession, done: Any, tokens: list[dict[str, object]]
+) -> None:
+    """The answer's end: the JSON document (--json) or a newline, then the stats line on stderr."""
     stats = done.stats
+    info = session.info
+    assert info is not None
     if args.json:
-        doc = {"prompt_token_ids": prompt_ids, "tokens": tokens, "text": done.text, "stats": stats.as_dict()}
-        doc["target"] = {"ref": args.target, "device": pair.target.device, "precision": pair.target.precision}
+        prompt_ids = session.engine.target.ids[: stats.prompt_tokens] or []
+        doc: dict[str, Any] = {"prompt_token_ids": list(prompt_ids), "tokens": tokens, "text": done.text}
+        doc["stats"] = stats.as_dict()
+        # The self-check's label travels with every result ("unchecked" when it did not run).
+        doc["stats"].setdefault("exactness", info.exactness.label if info.exactness else "unchecked")
+        doc["target"] = {"ref": args.target, "device": info.device, "precision": info.precision}
         json.dump(doc, sys.stdout, ensure_ascii=False)
-        sys.stdout.write("\n")
-    else:
-        sys.stdout.write("\n")
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    if stats.stop_reason == "context_full":
+        print(
+            f"specdec: warning: the answer reached the model's last position ({info.context_length} "
+            "tokens of context) and was cut there",
+            file=sys.stderr,
+        )
     print(
         f"specdec: {stats.new_tokens} tokens, {stats.tokens_per_second:.2f} tok/s, "
         f"acceptance {stats.acceptance_rate:.0%}, {stats.measured_speedup:.2f}x vs target alone",
         file=sys.stderr,
     )
-    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdec", description="Exact speculative decoding for local LLMs.")
+    parser.add_argument("--debug", action="store_true", help="print the traceback of an error")
     subparsers = parser.add_subparsers(dest="command", required=True)
     _register_generate(subparsers)
     for module_name in _PLUGINS:
@@ -151,15 +232,37 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    debug = "--debug" in (sys.argv[1:] if argv is None else argv)
     try:
+        _quiet_transformers()
+        args = build_parser().parse_args(argv)
         return int(args.func(args))
     except SpecdecError as exc:
+        if debug:
+            traceback.print_exc()
         print(f"specdec: error: {exc}", file=sys.stderr)
-        return 2
+        return exc.exit_code
     except KeyboardInterrupt:
         print("specdec: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:  # a bug: one line, the traceback with --debug
+        if debug:
+            traceback.print_exc()
+        detail = " ".join(str(exc).split())
+        print(
+            f"specdec: error: internal error: {type(exc).__name__}: {detail} (rerun with --debug for the traceback)",
+            file=sys.stderr,
+        )
+        return 1
+
+
+def _quiet_transformers() -> None:
+    """transformers' own warnings, load reports and progress bars are not ours to print:
+    what matters reaches the user as one of our lines."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
 
 
 if __name__ == "__main__":

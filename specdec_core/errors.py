@@ -2,6 +2,9 @@
 
 The CLI and the app print `str(error)` and nothing else (no traceback), so the
 message must name the thing (path, model, package) and, where there is one, the fix.
+`str()` of every `SpecdecError` is a single line, whatever text it was given.
+`exit_code` is what the CLI returns: 2 for something the user can change (input,
+model, machine), 1 for `InternalError` (a bug of ours, with the cause chained).
 """
 
 from __future__ import annotations
@@ -9,6 +12,11 @@ from __future__ import annotations
 
 class SpecdecError(Exception):
     """Base of every error that reaches the user as a one-line message."""
+
+    exit_code = 2
+
+    def __str__(self) -> str:
+        return " ".join(super().__str__().split())
 
 
 class ModelLoadError(SpecdecError):
@@ -25,3 +33,33 @@ class FetchError(SpecdecError):
 
 class Cancelled(SpecdecError):
     """The user cancelled a long operation (fetch, conversion, load)."""
+
+
+class InvalidParameter(SpecdecError):
+    """A generation parameter is outside its allowed range (the message gives the range)."""
+
+
+class InvalidInput(SpecdecError):
+    """A prompt or message cannot be used (empty, not valid text)."""
+
+
+class ChatTemplateError(SpecdecError):
+    """The model's chat template failed, was blocked by the sandbox, or ran too long."""
+
+
+class ContextTooLong(SpecdecError):
+    """The conversation does not fit in the model's positions."""
+
+
+class OutOfMemory(SpecdecError):
+    """Memory ran out; the caches were reset and the session is still usable."""
+
+
+class NotLoaded(SpecdecError):
+    """A session call that needs a model came before `load`."""
+
+
+class InternalError(SpecdecError):
+    """Something failed that should not have: a bug of ours (the cause is chained)."""
+
+    exit_code = 1

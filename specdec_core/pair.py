@@ -1,24 +1,66 @@
-"""A target and its drafter, loaded and checked together: what the CLI and the app open.
+"""A target and its drafter, loaded and checked together: what the session and the bench open.
 
-The draft spec is a model reference, `ngram` (model-free prompt lookup) or `none`.
-A model draft must map tokens to ids exactly as the target does, or the engine
-refuses it with the compatibility check's reason.
+The draft is named by a `DraftSpec`, parsed once from what the user typed: a model
+reference, `ngram` (model-free prompt lookup) or `none` (speculation off).
+A model draft must map tokens to ids exactly as the target does; that is checked on
+its tokenizer before its weights are loaded, and refused with the reason.
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 from .chat import stop_token_ids
-from .compat import check_draft_compatibility
+from .compat import check_draft_compatibility, config_vocab_size
 from .drafters import Drafter, LookupThenModelDrafter, ModelDrafter, NgramDrafter, NoDrafter
 from .engine import SpeculativeEngine
-from .errors import IncompatibleDraftError
-from .loading import LoadedModel, load_model
+from .errors import IncompatibleDraftError, InvalidParameter
+from .loading import LoadedModel, load_model, load_tokenizer, resolve_path
 from .progress import ProgressCallback
 
-MODEL_FREE_DRAFTS = ("ngram", "none")
+NGRAM = "ngram"
+NONE = "none"
+MODEL = "model"
+MODEL_FREE_DRAFTS = (NGRAM, NONE)
+
+
+@dataclass(frozen=True)
+class DraftSpec:
+    """What drafts for the target: a model (`ref`), prompt lookup, or nothing."""
+
+    kind: str  # MODEL | NGRAM | NONE
+    ref: str = ""  # the model reference when kind == MODEL
+
+    @classmethod
+    def parse(cls, text: str | DraftSpec) -> DraftSpec:
+        if isinstance(text, DraftSpec):
+            return text
+        cleaned = text.strip()
+        if not cleaned:
+            raise InvalidParameter("the draft is empty: give a model, 'ngram' or 'none'")
+        lowered = cleaned.lower()
+        if lowered in (NGRAM, "n-gram"):
+            return cls(NGRAM)
+        if lowered == NONE:
+            return cls(NONE)
+        return cls(MODEL, cleaned)
+
+    @property
+    def is_model(self) -> bool:
+        return self.kind == MODEL
+
+    @property
+    def display_name(self) -> str:
+        if self.kind == NGRAM:
+            return "n-gram"
+        if self.kind == NONE:
+            return "none"
+        return Path(self.ref).name if Path(self.ref).expanduser().exists() else self.ref
+
+    def __str__(self) -> str:
+        return self.ref if self.is_model else self.kind
 
 
 @dataclass
@@ -32,10 +74,11 @@ class LoadedPair:
         return self.target.description
 
 
-def make_drafter(spec: str, target: LoadedModel, draft: LoadedModel | None) -> Drafter:
-    if spec == "none":
+def make_drafter(spec: DraftSpec | str, target: LoadedModel, draft: LoadedModel | None) -> Drafter:
+    spec = DraftSpec.parse(spec)
+    if spec.kind == NONE:
         return NoDrafter()
-    if spec == "ngram":
+    if spec.kind == NGRAM:
         return NgramDrafter()
     assert draft is not None
     verdict = check_draft_compatibility(
@@ -54,33 +97,61 @@ def make_drafter(spec: str, target: LoadedModel, draft: LoadedModel | None) -> D
 
 
 def load_draft(
-    spec: str,
+    spec: DraftSpec | str,
     target: LoadedModel,
     *,
+    trust_remote_code: bool = False,
     progress: ProgressCallback | None = None,
     cancel: threading.Event | None = None,
 ) -> tuple[Drafter, LoadedModel | None]:
-    """The drafter for `spec`, loading a draft model on the target's device and precision."""
-    if spec in MODEL_FREE_DRAFTS:
+    """The drafter for `spec`, loading a draft model on the target's device and precision.
+
+    A model draft's tokenizer is compared with the target's first, so an incompatible
+    draft is refused before its weights are read.
+    """
+    spec = DraftSpec.parse(spec)
+    if not spec.is_model:
         return make_drafter(spec, target, None), None
+    path = resolve_path(spec.ref, progress=progress, cancel=cancel)
+    verdict = check_draft_compatibility(
+        target.tokenizer,
+        load_tokenizer(path, spec.ref, trust_remote_code),
+        target_vocab_size=target.vocab_size,
+        draft_vocab_size=config_vocab_size(path),
+    )
+    if not verdict.compatible:
+        raise IncompatibleDraftError(
+            f"draft {spec.display_name} does not fit target {target.name}: {verdict.reason}"
+        )
     draft = load_model(
-        spec, device=target.device, precision=target.precision, progress=progress, cancel=cancel
+        spec.ref,
+        device=target.device,
+        precision=target.precision,
+        offload=target.offloaded,
+        trust_remote_code=trust_remote_code,
+        progress=progress,
+        cancel=cancel,
     )
     return make_drafter(spec, target, draft), draft
 
 
+def make_engine(target: LoadedModel, drafter: Drafter) -> SpeculativeEngine:
+    return SpeculativeEngine(
+        target.model, target.tokenizer, drafter, stop_token_ids=stop_token_ids(target.tokenizer, target.model)
+    )
+
+
 def load_pair(
     target_ref: str,
-    draft_spec: str,
+    draft_spec: DraftSpec | str,
     *,
     device: str = "auto",
     precision: str = "auto",
     progress: ProgressCallback | None = None,
     cancel: threading.Event | None = None,
 ) -> LoadedPair:
+    """Target and drafter in one call (the bench's entry; the app and CLI use `ChatSession`)."""
+    spec = DraftSpec.parse(draft_spec)
     target = load_model(target_ref, device=device, precision=precision, progress=progress, cancel=cancel)
-    drafter, draft = load_draft(draft_spec, target, progress=progress, cancel=cancel)
-    engine = SpeculativeEngine(
-        target.model, target.tokenizer, drafter, stop_token_ids=stop_token_ids(target.tokenizer, target.model)
-    )
-    return LoadedPair(target=target, draft=draft, engine=engine)
+    drafter, draft = load_draft(spec, target, progress=progress, cancel=cancel)
+    return LoadedPair(target=target, draft=draft, engine=make_engine(target, drafter))

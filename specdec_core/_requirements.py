@@ -1,0 +1,42 @@
+"""Refuse, at import and in one line, a transformers older than the first release that works.
+
+transformers 5.0 accepts the `cache=` keyword our forward passes use but ignores it
+(the cache stays empty and `--draft none` prints garbage with exit code 0), so the
+floor is the first release that honours it. Read from the installed metadata, so
+the check costs no import of transformers itself.
+"""
+
+from __future__ import annotations
+
+import re
+from importlib import metadata
+
+TRANSFORMERS_MIN = (5, 1, 0)
+TRANSFORMERS_BELOW = (6, 0, 0)
+
+
+def check_requirements() -> None:
+    try:
+        found = metadata.version("transformers")
+    except metadata.PackageNotFoundError:
+        return  # reported by the import that needs it, with its own message
+    version = _release(found)
+    if version is not None and not TRANSFORMERS_MIN <= version < TRANSFORMERS_BELOW:
+        raise ImportError(
+            f"specdec needs transformers>={_show(TRANSFORMERS_MIN)},<{_show(TRANSFORMERS_BELOW)} "
+            f"but {found} is installed: pip install 'transformers>={_show(TRANSFORMERS_MIN)},"
+            f"<{_show(TRANSFORMERS_BELOW)}'"
+        )
+
+
+def _release(version: str) -> tuple[int, int, int] | None:
+    """(major, minor, patch) of a version string ("5.1.0rc1" -> (5, 1, 0)); None if unreadable."""
+    match = re.match(r"(\d+)(?:\.(\d+))?(?:\.(\d+))?", version)
+    if match is None:
+        return None
+    major, minor, patch = (int(g or 0) for g in match.groups())
+    return major, minor, patch
+
+
+def _show(version: tuple[int, int, int]) -> str:
+    return ".".join(str(n) for n in version)

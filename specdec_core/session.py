@@ -1,0 +1,409 @@
+"""One chat session: the API the app and the CLI use (never the engine's parts, never torch).
+
+    session = ChatSession()
+    info = session.load(LoadSpec(target="qwen2.5-coder-1.5b-instruct", draft="qwen2.5-coder-0.5b-instruct"))
+    session.calibrate()                               # optional: a measured speedup baseline
+    for event in session.answer([Message("user", "Write a loop.")]):
+        ...                                           # PrefillEvent, TokenEvent, StepEvent, DoneEvent
+
+Contract:
+- `load` loads the target once. A model draft that does not fit the target (another
+  tokenizer) is replaced by n-gram lookup and `info.warning` says why. The exactness
+  self-check runs on the loaded pair; its report is `info.exactness`.
+- `answer` renders the chat with the model's template (time-limited), refuses a
+  conversation longer than the model's positions (`ContextTooLong`; nothing is
+  trimmed behind the user's back), and stops an answer at the model's last position
+  with stop reason `context_full`. The final `DoneEvent.text` holds no stop token.
+- Every failure is a `SpecdecError` with a one-line `str()`. Out of memory is
+  `OutOfMemory`, raised after the caches were reset, so the session stays usable.
+  Anything unexpected is `InternalError` (exit code 1) with the cause chained.
+- `speculation_enabled` may be set from another thread; the engine reads it every step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .chat import Message, encode_chat, encode_text
+from .compat import Compatibility, check_draft_compatibility, config_vocab_size
+from .engine import GenerationParams, SpeculativeEngine
+from .errors import (
+    ContextTooLong,
+    IncompatibleDraftError,
+    InternalError,
+    InvalidInput,
+    InvalidParameter,
+    NotLoaded,
+    OutOfMemory,
+    SpecdecError,
+)
+from .events import DoneEvent, Event
+from .loading import LoadedModel, load_model, load_tokenizer, resolve_path
+from .pair import DraftSpec, LoadedPair, load_draft, make_engine
+from .progress import Progress, ProgressCallback, check_cancelled
+
+if TYPE_CHECKING:
+    from .selfcheck import ExactnessReport
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    target: str
+    draft: str = "ngram"  # a model ref | "ngram" | "none"
+    device: str = "auto"
+    precision: str = "auto"
+    offload: bool = False  # device_map="auto" CPU offload on CUDA, opt-in
+    trust_remote_code: bool = False
+    # A model draft that does not fit the target: n-gram instead (with info.warning), or
+    # IncompatibleDraftError when False (the CLI: a scripted run asked for that draft).
+    draft_fallback: bool = True
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    target: str
+    target_name: str
+    target_path: str
+    draft: str  # the draft spec in use ("ngram" when the model draft was refused)
+    draft_name: str
+    description: str  # resolved device and precision, e.g. "cpu · int8"
+    warning: str = ""  # e.g. "draft X does not fit target Y: <reason>. Using n-gram instead."
+    exactness: ExactnessReport | None = None
+    context_length: int | None = None  # positions the pair can attend over (None: unknown)
+    device: str = ""  # resolved: "cpu" | "cuda"
+    precision: str = ""  # resolved: "fp32" | "bf16" | "fp16" | "int8" | "nf4"
+
+
+class ChatSession:
+    def __init__(self) -> None:
+        self._pair: LoadedPair | None = None
+        self._spec: LoadSpec | None = None
+        self._speculation = True
+        self.info: SessionInfo | None = None
+
+    # -- state ---------------------------------------------------------------------------
+    @property
+    def speculation_enabled(self) -> bool:
+        return self._speculation
+
+    @speculation_enabled.setter
+    def speculation_enabled(self, enabled: bool) -> None:
+        # A plain attribute write: safe from any thread, read by the engine at its next step.
+        self._speculation = bool(enabled)
+        if self._pair is not None:
+            self._pair.engine.speculation_enabled = self._speculation
+
+    @property
+    def engine(self) -> SpeculativeEngine:
+        """The loaded engine, for tools that time its parts (bench); chat front ends don't need it."""
+        return self._require().engine
+
+    # -- loading -------------------------------------------------------------------------
+    def load(
+        self,
+        spec: LoadSpec,
+        *,
+        progress: ProgressCallback | None = None,
+        cancel: threading.Event | None = None,
+    ) -> SessionInfo:
+        """Load the target (once) and its drafter, check exactness; replaces what was loaded."""
+        draft = DraftSpec.parse(spec.draft)  # a bad spec fails before anything is loaded
+        self.release()
+        with _one_line_errors("loading the model", on_oom=self.release):
+            target = load_model(
+                spec.target,
+                device=spec.device,
+                precision=spec.precision,
+                offload=spec.offload,
+                trust_remote_code=spec.trust_remote_code,
+                progress=progress,
+                cancel=cancel,
+            )
+            warning = ""
+            try:
+                drafter, draft_model = load_draft(
+                    draft, target, trust_remote_code=spec.trust_remote_code, progress=progress, cancel=cancel
+                )
+            except IncompatibleDraftError as exc:
+                if not spec.draft_fallback:
+                    raise
+                # The target is fine: keep the chat usable with the model-free drafter.
+                warning = f"{exc}. Using n-gram instead."
+                draft = DraftSpec.parse("ngram")
+                drafter, draft_model = load_draft(draft, target)
+            engine = make_engine(target, drafter)
+            engine.speculation_enabled = self._speculation
+            self._pair = LoadedPair(target=target, draft=draft_model, engine=engine)
+            self._spec = spec
+            check_cancelled(cancel)
+            exactness = self._check_exactness(engine, progress)
+        self.info = self._describe(draft, warning, exactness)
+        return self.info
+
+    def swap_draft(
+        self,
+        draft: str,
+        *,
+        progress: ProgressCallback | None = None,
+        cancel: threading.Event | None = None,
+    ) -> SessionInfo:
+        """Change only the drafter; the target stays. On failure the old drafter stays in use."""
+        pair = self._require()
+        spec = DraftSpec.parse(draft)
+        trust = self._spec.trust_remote_code if self._spec else False
+        with _one_line_errors("loading the draft", on_oom=self._reset_caches):
+            drafter, draft_model = load_draft(
+                spec, pair.target, trust_remote_code=trust, progress=progress, cancel=cancel
+            )
+            pair.engine.set_drafter(drafter)
+            pair.draft = draft_model
+        assert self.info is not None
+        self.info = self._describe(spec, "", self.info.exactness)
+        return self.info
+
+    def rate_drafts(self, refs: Sequence[str]) -> dict[str, Compatibility]:
+        """Whether each candidate draft fits the loaded target, with a reason, without loading weights.
+
+        References that cannot be judged without a download are left out.
+        """
+        pair = self._require()
+        verdicts: dict[str, Compatibility] = {}
+        for ref in refs:
+            try:
+                verdict = _rate_draft(pair.target, ref)
+            except SpecdecError as exc:
+                verdict = Compatibility(False, str(exc))
+            if verdict is not None:
+                verdicts[ref] = verdict
+        return verdicts
+
+    def calibrate(self) -> None:
+        """Time target (and draft) forwards: the controller's costs and the speedup baseline."""
+        pair = self._require()
+        with _one_line_errors("timing the model", on_oom=self._reset_caches):
+            pair.engine.calibrate()
+
+    def release(self) -> None:
+        """Drop the models. (No gc.collect here: the app collects on its UI thread only.)"""
+        self._pair = None
+        self.info = None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    # -- answering -----------------------------------------------------------------------
+    def answer(
+        self,
+        messages: Sequence[Message],
+        *,
+        system: str | None = None,
+        params: GenerationParams | None = None,
+        cancel: threading.Event | None = None,
+    ) -> Iterator[Event]:
+        """Stream the assistant's answer to `messages`. Bad input raises here, before any event."""
+        pair = self._require()
+        params = params or GenerationParams()
+        check_params(params)
+        with _one_line_errors("preparing the chat"):
+            prompt = encode_chat(pair.target.tokenizer, messages, system)
+        return self._stream(prompt, params, cancel)
+
+    def complete(
+        self, text: str, *, params: GenerationParams | None = None, cancel: threading.Event | None = None
+    ) -> Iterator[Event]:
+        """Continue plain `text` without the chat template (the CLI's --raw)."""
+        pair = self._require()
+        params = params or GenerationParams()
+        check_params(params)
+        if not text:
+            raise InvalidInput("the prompt is empty: a raw prompt needs at least one token")
+        with _one_line_errors("tokenizing the prompt"):
+            prompt = encode_text(pair.target.tokenizer, text)
+        if not prompt:
+            raise InvalidInput("the prompt is empty after tokenization")
+        return self._stream(prompt, params, cancel)
+
+    def _stream(
+        self, prompt: list[int], params: GenerationParams, cancel: threading.Event | None
+    ) -> Iterator[Event]:
+        engine = self._require().engine
+        params, capped = self._fit_context(prompt, params)
+        return self._events(engine, prompt, params, capped, cancel)
+
+    def _events(
+        self,
+        engine: SpeculativeEngine,
+        prompt: list[int],
+        params: GenerationParams,
+        capped: bool,
+        cancel: threading.Event | None,
+    ) -> Iterator[Event]:
+        with _one_line_errors("generating", on_oom=self._reset_caches):
+            for event in engine.generate(prompt, params, cancel=cancel):
+                if isinstance(event, DoneEvent):
+                    event = self._finished(event, engine, capped)
+                yield event
+
+    def _fit_context(self, prompt: list[int], params: GenerationParams) -> tuple[GenerationParams, bool]:
+        """Refuse a prompt the model cannot hold; cap the answer at the model's last position."""
+        assert self.info is not None
+        limit = self.info.context_length
+        if limit is None:
+            return params, False
+        if len(prompt) >= limit:
+            raise ContextTooLong(
+                f"the conversation is {len(prompt)} tokens but {self.info.target_name} holds "
+                f"{limit}: start a new conversation or shorten this one"
+            )
+        room = limit - len(prompt)
+        if params.max_new_tokens <= room:
+            return params, False
+        return dataclasses.replace(params, max_new_tokens=room), True
+
+    def _finished(self, done: DoneEvent, engine: SpeculativeEngine, capped: bool) -> DoneEvent:
+        stats = done.stats
+        if capped and stats.stop_reason == "max_tokens":
+            stats = dataclasses.replace(stats, stop_reason="context_full")
+        text = _without_stop_suffix(done, engine)
+        if stats is done.stats and text == done.text:
+            return done
+        return dataclasses.replace(done, text=text, stats=stats)
+
+    # -- helpers -------------------------------------------------------------------------
+    def _require(self) -> LoadedPair:
+        if self._pair is None:
+            raise NotLoaded("no model is loaded yet")
+        return self._pair
+
+    def _reset_caches(self) -> None:
+        pair = self._pair
+        if pair is not None:
+            pair.engine.target.reset()
+            pair.engine.drafter.reset()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def _check_exactness(
+        self, engine: SpeculativeEngine, progress: ProgressCallback | None
+    ) -> ExactnessReport | None:
+        try:
+            from .selfcheck import check_exactness
+        except ImportError:  # the self-check is not part of this build yet
+            return None
+        if progress:
+            progress(Progress("Checking exactness (verify vs plain steps)", 0, 0))
+        report = check_exactness(engine)
+        engine.exactness = report  # type: ignore[attr-defined]  # read into the stats
+        return report
+
+    def _describe(self, draft: DraftSpec, warning: str, exactness: ExactnessReport | None) -> SessionInfo:
+        pair = self._require()
+        target = pair.target
+        lengths = [n for n in (target.context_length, pair.draft and pair.draft.context_length) if n]
+        return SessionInfo(
+            target=target.ref,
+            target_name=target.name,
+            target_path=str(target.path),
+            draft=str(draft),
+            draft_name=pair.draft.name if pair.draft is not None else draft.display_name,
+            description=target.description,
+            warning=warning,
+            exactness=exactness,
+            # A model draft reads the same tokens, so the shorter of the two bounds the pair.
+            context_length=min(lengths) if lengths else None,
+            device=target.device,
+            precision=target.precision,
+        )
+
+
+def check_params(params: GenerationParams) -> None:
+    """Refuse parameters outside their range, naming the range."""
+    rules: list[tuple[str, Any, bool, str]] = [
+        ("max_new_tokens", params.max_new_tokens, _is_int(params.max_new_tokens) and params.max_new_tokens >= 1,
+         "a whole number ≥ 1"),
+        ("temperature", params.temperature, _is_real(params.temperature) and params.temperature >= 0,
+         "a number ≥ 0 (0 = greedy)"),
+        ("top_p", params.top_p, _is_real(params.top_p) and 0 < params.top_p <= 1, "a number in (0, 1]"),
+        ("top_k", params.top_k, _is_int(params.top_k) and params.top_k >= 0, "a whole number ≥ 0 (0 = off)"),
+        ("max_draft_length", params.max_draft_length,
+         _is_int(params.max_draft_length) and params.max_draft_length >= 0, "a whole number ≥ 0"),
+        ("draft_length", params.draft_length, params.draft_length is None
+         or (_is_int(params.draft_length) and 0 <= params.draft_length <= params.max_draft_length),
+         f"'auto' or a whole number from 0 to {params.max_draft_length}"),
+        ("seed", params.seed, params.seed is None or (_is_int(params.seed) and 0 <= params.seed < 2**63),
+         "a whole number from 0 to 2^63 - 1"),
+    ]  # fmt: skip
+    for name, value, ok, allowed in rules:
+        if not ok:
+            raise InvalidParameter(f"{name} must be {allowed}, not {value!r}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _without_stop_suffix(done: DoneEvent, engine: SpeculativeEngine) -> str:
+    """DoneEvent.text without a final stop token's text (a no-op once the engine strips it)."""
+    if not done.token_ids or done.token_ids[-1] not in engine.stop_token_ids:
+        return done.text
+    stop_text = engine.tokenizer.decode([done.token_ids[-1]], skip_special_tokens=False)
+    return done.text[: -len(stop_text)] if stop_text and done.text.endswith(stop_text) else done.text
+
+
+def _rate_draft(target: LoadedModel, ref: str) -> Compatibility | None:
+    spec = DraftSpec.parse(ref)
+    if not spec.is_model:
+        return Compatibility(True, "needs no model")
+    try:
+        from .compat import rate_draft  # type: ignore[attr-defined]
+    except ImportError:
+        rate_draft = None
+    if rate_draft is not None:
+        return rate_draft(target.ref, spec.ref)
+    from pathlib import Path
+
+    folder = Path(spec.ref).expanduser()
+    if not (folder / "config.json").is_file():
+        return None  # judged only on files at hand; a catalog name would need its download
+    path = resolve_path(spec.ref)
+    return check_draft_compatibility(
+        target.tokenizer,
+        load_tokenizer(path, spec.ref),
+        target_vocab_size=target.vocab_size,
+        draft_vocab_size=config_vocab_size(path),
+    )
+
+
+@contextmanager
+def _one_line_errors(doing: str, on_oom: Any = None) -> Iterator[None]:
+    """Map every failure while `doing` to one `SpecdecError`; OOM after `on_oom()` cleaned up."""
+    try:
+        yield
+    except SpecdecError:
+        raise
+    except (torch.OutOfMemoryError, MemoryError) as exc:
+        if on_oom is not None:
+            on_oom()
+        raise OutOfMemory(
+            f"out of memory while {doing}: try a shorter conversation, a smaller precision "
+            "(int8, nf4) or a smaller model; the session is still usable"
+        ) from exc
+    except Exception as exc:
+        log.debug("%s failed", doing, exc_info=True)
+        text = str(exc).strip().splitlines()
+        detail = f": {text[0]}" if text else ""
+        raise InternalError(f"{doing} failed: {type(exc).__name__}{detail} (a bug in specdec)") from exc
