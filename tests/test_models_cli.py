@@ -63,8 +63,7 @@ def mark_converted(entry_name: str, source: Path, vocab_size: int) -> Path:
     shutil.copytree(source, folder)
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "vocab_size": vocab_size}))
-    marker = {"format": gguf_convert.CONVERSION_FORMAT, "source": "test", "sha256": "x"}
-    (folder / gguf_convert.MARKER).write_text(json.dumps(marker))
+    gguf_convert.write_marker(folder, source="test", sha256="x", size=0, source_verified=False, label=entry_name)
     return folder
 
 

@@ -1,0 +1,121 @@
+"""What the model cache holds, and keeping it honest: list, clear, verify (`specdec fetch
+--list-cache / --clear / --verify`). The layout is described in `cache.py`.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from .cache import cache_dir, converted_dir, downloads_dir, fetched_gguf_dir, verify_file
+from .catalog import PackageIndexSource, load_catalog
+from .gguf_convert import is_converted, read_marker, usable_conversion
+from .progress import ProgressCallback
+
+# --- listing and clearing -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CacheItem:
+    kind: str  # "gguf" (fetched file), "converted" (HF folder), "partial" (unfinished fetch/conversion)
+    path: Path
+    size_bytes: int
+    description: str  # the GGUF a folder was converted from, the model a fetch is for
+
+
+def list_cache() -> list[CacheItem]:
+    items = []
+    for path in sorted(fetched_gguf_dir().glob("*/*.gguf")):
+        items.append(CacheItem("gguf", path, path.stat().st_size, path.parent.name))
+    for path in sorted(p for p in downloads_dir().glob("*") if p.is_dir()):
+        items.append(CacheItem("partial", path, _tree_size(path), f"unfinished download of {path.name}"))
+    for path in sorted(converted_dir().glob("*")):
+        if path.name.startswith(".tmp-") or not is_converted(path):
+            items.append(CacheItem("partial", path, _tree_size(path), "unfinished conversion"))
+            continue
+        marker = read_marker(path) or {}
+        checked = " (source verified against the catalog)" if marker.get("source_verified") else ""
+        source = Path(str(marker.get("source", "?"))).name
+        items.append(CacheItem("converted", path, _tree_size(path), f"from {source}{checked}"))
+    return items
+
+
+@dataclass(frozen=True)
+class VerifiedItem:
+    item: CacheItem
+    ok: bool
+    detail: str  # "ok", what was damaged and deleted, or why it was not checked
+
+
+def verify_cache(
+    names: set[str] | None = None, *, progress: ProgressCallback | None = None,
+    cancel: threading.Event | None = None,
+) -> list[VerifiedItem]:  # fmt: skip
+    """Re-hash every cached file in full (or those of the catalog models `names`); delete damaged ones.
+
+    This is the check for what the fast one cannot see: a file changed in place with its
+    size and mtime kept (bit rot, a careless tool).
+    """
+    results = []
+    for item in list_cache():
+        entry_name = item.path.parent.name if item.kind == "gguf" else item.path.name
+        entry = load_catalog().get(entry_name)
+        source = entry.source if entry is not None and isinstance(entry.source, PackageIndexSource) else None
+        if names is not None and not _belongs_to(item, names):
+            continue
+        if item.kind == "converted":
+            ok = usable_conversion(
+                item.path, label=item.path.name, full=True, progress=progress, cancel=cancel
+            )
+            results.append(VerifiedItem(item, ok is not None, "ok" if ok else "damaged: deleted"))
+        elif item.kind == "gguf" and source is not None:
+            results.append(_verify_one(item, item.path, source.sha256, progress, cancel))
+        elif item.kind == "partial" and source is not None and item.path.parent == downloads_dir():
+            for index, part in enumerate(source.parts, start=1):
+                chunk = item.path / f"part{index:02d}.bin"
+                if chunk.is_file():
+                    results.append(_verify_one(item, chunk, part.sha256, progress, cancel))
+    return results
+
+
+def _verify_one(
+    item: CacheItem,
+    path: Path,
+    expected: str,
+    progress: ProgressCallback | None,
+    cancel: threading.Event | None,
+) -> VerifiedItem:
+    if verify_file(path, expected, full=True, progress=progress, cancel=cancel):
+        return VerifiedItem(item, True, "ok")
+    path.unlink()
+    return VerifiedItem(item, False, f"{path.name} failed its sha256 check: deleted")
+
+
+def _belongs_to(item: CacheItem, names: set[str]) -> bool:
+    shas = {
+        e.source.sha256[:16] for e in load_catalog().models if e.name in names and hasattr(e.source, "sha256")
+    }
+    return item.path.name in shas or item.path.name in names or item.path.parent.name in names
+
+
+def clear_cache(kinds: set[str] | None = None) -> list[CacheItem]:
+    """Delete cache items of the given kinds (all when None); return what was deleted."""
+    removed = []
+    for item in list_cache():
+        if kinds is None or item.kind in kinds:
+            if item.path.is_dir():
+                shutil.rmtree(item.path)
+            else:
+                item.path.unlink()
+            removed.append(item)
+    if kinds is None:
+        (cache_dir() / "hashes.json").unlink(missing_ok=True)
+    return removed
+
+
+def _tree_size(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
