@@ -1,9 +1,10 @@
 """Refuse, at import and in one line, a transformers older than the first release that works.
 
-transformers 5.0 accepts the `cache=` keyword our forward passes use but ignores it
-(the cache stays empty and `--draft none` prints garbage with exit code 0), so the
-floor is the first release that honours it. Read from the installed metadata, so
-the check costs no import of transformers itself.
+Our forward passes hand the KV cache over as `cache=`; transformers names that keyword
+so from 5.24.0 on (5.0-5.23 call it `past_key_values` and swallow `cache=` in
+**kwargs: the cache stays empty and `--draft none` prints garbage with exit code 0 —
+checked in each release's modeling_qwen2.py). Read from the installed metadata, so the
+check costs no import of transformers itself.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import re
 from importlib import metadata
 
-TRANSFORMERS_MIN = (5, 1, 0)
+TRANSFORMERS_MIN = (5, 24, 0)
 TRANSFORMERS_BELOW = (6, 0, 0)
 
 

@@ -134,3 +134,34 @@ def test_console_script_runs_in_a_fresh_process(tiny_folder):
     )
     assert out.returncode == 0, out.stderr
     assert len(json.loads(out.stdout)["tokens"]) == 4
+
+
+@pytest.fixture(scope="module")
+def stops_at_once_folder(tmp_path_factory, tokenizer, target) -> Path:
+    """The target with its final norm zeroed: all logits tie at 0, so greedy picks id 0,
+    <|endoftext|>, a stop token — the answer is just the stop token."""
+    import copy
+
+    import torch
+
+    model = copy.deepcopy(target)
+    with torch.no_grad():
+        model.model.norm.weight.zero_()
+    folder = tmp_path_factory.mktemp("stops-at-once")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_stop_tokens_are_never_printed(capsys, stops_at_once_folder):
+    args = ["generate", "--target", str(stops_at_once_folder), "--prompt", "hi", "--draft", "none"]
+    assert main([*args, "--precision", "fp32", "--device", "cpu"]) == 0
+    assert capsys.readouterr().out == "\n"
+    doc = generate_json(capsys, *args[1:])
+    assert [t["id"] for t in doc["tokens"]] == [0]
+    assert doc["text"] == "" and doc["stats"]["stop_reason"] == "eos"
+
+
+def test_json_stats_carry_the_exactness_label(capsys, tiny_folder):
+    doc = generate_json(capsys, "--target", str(tiny_folder), "--prompt", "hi", "--max-new-tokens", "3")
+    assert doc["stats"]["exactness"] in ("bitwise", "near-ties may differ", "unchecked")
