@@ -14,7 +14,7 @@ from typing import Any
 import psutil
 import torch
 
-from .bench import BenchReport, CostCurve, GroupSummary, Result, StepBytes, TargetCheck
+from .bench import BenchReport, CostCurve, GroupSummary, LoadRun, Result, StepBytes, TargetCheck
 
 
 def machine_info() -> dict[str, Any]:
@@ -288,6 +288,35 @@ def roofline_markdown(
         else "not measured"
     )
     lines.append(f"\n(limit: {measured}; KV cache at {context} cached tokens)")
+    return "\n".join(lines) + "\n"
+
+
+def under_load_markdown(runs: list[LoadRun]) -> str:
+    """Each condition's median tok/s, and what share of the quiet speed it kept."""
+    import statistics
+
+    conditions = list(dict.fromkeys((r.busy, r.governor) for r in runs))
+    median = {
+        c: statistics.median(r.tokens_per_s for r in runs if (r.busy, r.governor) == c) for c in conditions
+    }
+    rows = []
+    for busy, governor in conditions:
+        quiet = median.get((False, governor))
+        mine = [r for r in runs if (r.busy, r.governor) == (busy, governor)]
+        rows.append(
+            [
+                "one busy process" if busy else "no extra load",
+                governor,
+                f"{median[(busy, governor)]:.2f}",
+                _pct(median[(busy, governor)] / quiet) if quiet else "–",
+                ", ".join(str(r.threads_at_end) for r in mine),
+                ", ".join(f"{r.load_average:.1f}" for r in mine),
+            ]
+        )
+    lines = _table(
+        ["machine", "threads", "tok/s (median)", "of its quiet speed", "threads at end", "load avg at start"],
+        rows,
+    )
     return "\n".join(lines) + "\n"
 
 

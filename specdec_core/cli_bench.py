@@ -91,6 +91,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="only time target forwards of 1..16 tokens and a draft step (the verify-cost curve)",
     )
+    p.add_argument(
+        "--under-load",
+        action="store_true",
+        help="only time the target alone (our engine) quiet and beside one busy process, "
+        "threads pinned vs chosen by the governor",
+    )
     p.set_defaults(func=_bench)
 
 
@@ -119,11 +125,13 @@ def _bench(args: argparse.Namespace) -> int:
     machine = machine_info()  # before loading: the load average then is the machine's, not ours
     target = load_model(target_ref, device=args.device, precision=args.precision, progress=stderr_progress)
     needs_draft = any(needs_draft_model(m) for m in methods)
-    if args.cost_curve:
-        needs_draft = draft_spec not in ("ngram", "none")
+    if args.cost_curve or args.under_load:
+        needs_draft = args.cost_curve and draft_spec not in ("ngram", "none")
     draft = load_draft(draft_spec, target, progress=stderr_progress)[1] if needs_draft else None
     if args.cost_curve:
         return _cost_curve(target, draft, machine, args)
+    if args.under_load:
+        return _under_load(target, prompts[0], machine, args)
     print(f"specdec bench: target on {target.description}, calibrating…", file=sys.stderr)
     built = _build_ours(methods, target, draft, draft_length)
     exactness = check_exactness(built)
@@ -225,6 +233,33 @@ def _cost_curve(target: Any, draft: Any, machine: dict[str, Any], args: argparse
     return 0
 
 
+def _under_load(target: Any, prompt: BenchPrompt, machine: dict[str, Any], args: argparse.Namespace) -> int:
+    from .bench import encode_prompt, measure_under_load
+    from .bench_report import machine_line, under_load_markdown
+    from .chat import stop_token_ids
+    from .engine import SpeculativeEngine
+
+    engine = SpeculativeEngine(
+        target.model, target.tokenizer, stop_token_ids=stop_token_ids(target.tokenizer, target.model)
+    )
+    print("specdec bench: timing the target quiet and beside a busy process…", file=sys.stderr)
+    ids = encode_prompt(target.tokenizer, prompt)
+    runs = measure_under_load(engine, ids, args.max_new_tokens, args.repeats)
+    text = f"{target.ref} on {target.description}; {machine_line(machine)}\n\n" + under_load_markdown(runs)
+    sys.stdout.write(text)
+    if args.markdown:
+        args.markdown.write_text(text, encoding="utf-8")
+    if args.json:
+        doc = {
+            "machine": machine,
+            "target": target.ref,
+            "prompt": prompt.id,
+            "runs": [asdict(r) for r in runs],
+        }
+        args.json.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+    return 0
+
+
 def _command_line(args: argparse.Namespace) -> str:
     """The run as one command with every option explicit: what docs/benchmarks.md quotes."""
     words = ["specdec", "bench", "--target", args.target, "--draft", args.draft]
@@ -240,6 +275,8 @@ def _command_line(args: argparse.Namespace) -> str:
         words += ["--ids", args.ids]
     if args.limit is not None:
         words += ["--limit", str(args.limit)]
+    words += ["--cost-curve"] if args.cost_curve else []
+    words += ["--under-load"] if args.under_load else []
     if args.llama_server:
         words += ["--llama-server", str(args.llama_server)]
     return " ".join(shlex.quote(w) for w in words)

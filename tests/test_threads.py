@@ -145,3 +145,18 @@ def test_int8_logits_are_bitwise_equal_at_one_and_two_threads(tokenizer, restore
     make_batch_invariant(model)
     ids = torch.randint(0, len(tokenizer), (1, 32), generator=torch.Generator().manual_seed(0))
     assert torch.equal(_logits(model, ids, 1), _logits(model, ids, 2))
+
+
+def test_under_load_times_every_condition_and_restores_the_governor(target, tokenizer) -> None:
+    from specdec_core.bench import measure_under_load
+    from specdec_core.bench_report import under_load_markdown
+
+    governor = default_governor()
+    saved = governor.pinned
+    runs = measure_under_load(SpeculativeEngine(target, tokenizer), [1, 2, 3], max_new_tokens=3)
+    assert {(r.busy, r.governor) for r in runs} == {
+        (busy, gov) for busy in (False, True) for gov in ("auto", f"pinned {governor.max_threads}")
+    }
+    assert all(r.tokens_per_s > 0 for r in runs)
+    assert governor.pinned == saved
+    assert "one busy process" in under_load_markdown(runs)

@@ -4,7 +4,8 @@ and llama.cpp's server, on the same weights, greedy, interleaved per prompt.
 One module per part: `prompts` (the suite), `methods` (transformers' and ours),
 `llama_server` (the peer), `runner` (warm-up, interleaving, the exactness self-check),
 `results` (per-prompt results, summaries, the JSON document), `targets` (the bars, as
-data), `cost_curve` (forward timings and the roofline). `bench_report` renders a report;
+data), `cost_curve` (forward timings and the roofline), `under_load` (speed beside a
+busy process, thread governor on and off). `bench_report` renders a report;
 `cli_bench` is the command line.
 """
 
@@ -28,6 +29,7 @@ from .prompts import BenchPrompt, encode_prompt, load_prompts
 from .results import BenchReport, EngineFigures, GroupSummary, Result, first_divergence, geomean
 from .runner import BenchProgress, BenchSettings, check_exactness, run_bench
 from .targets import TARGETS, Target, TargetCheck, check_targets
+from .under_load import LoadRun, measure_under_load
 
 __all__ = [
     "ALL_METHODS",
@@ -46,6 +48,7 @@ __all__ = [
     "EngineMethod",
     "GroupSummary",
     "HfMethod",
+    "LoadRun",
     "Method",
     "Result",
     "Run",
@@ -61,6 +64,7 @@ __all__ = [
     "load_prompts",
     "measure_bandwidth",
     "measure_cost_curve",
+    "measure_under_load",
     "needs_draft_model",
     "run_bench",
     "start_peers",
