@@ -10,7 +10,6 @@ import argparse
 import json
 import shlex
 import sys
-import tempfile
 import time
 from contextlib import ExitStack
 from dataclasses import asdict
@@ -188,9 +187,8 @@ def _start_peers(
     if wanted:
         print("specdec bench: starting llama-server…", file=sys.stderr)
     draft_ref = None if draft_spec in ("ngram", "none") else draft_spec
-    logs = Path(tempfile.mkdtemp(prefix="specdec-llama-server-"))
     threads = default_governor().max_threads
-    peers, skipped = start_peers(wanted, target_ref, draft_ref, threads, stack, args.llama_server, logs)
+    peers, skipped = start_peers(wanted, target_ref, draft_ref, threads, stack, args.llama_server)
     for name, reason in skipped.items():
         print(f"specdec bench: skipping {name}: {reason}", file=sys.stderr)
     return dict(peers), skipped

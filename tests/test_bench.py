@@ -265,7 +265,9 @@ def test_llama_server_runs_the_same_ggufs_at_our_threads_and_is_judged_by_its_ow
     target_gguf, draft_gguf = tmp_path / "t.gguf", tmp_path / "d.gguf"
     target_gguf.write_bytes(b"GGUF"), draft_gguf.write_bytes(b"GGUF")
     with ExitStack() as stack:
-        peers, skipped = start_peers(PEER_METHODS, str(target_gguf), str(draft_gguf), 3, stack, binary=binary)
+        peers, skipped = start_peers(
+            PEER_METHODS, str(target_gguf), str(draft_gguf), 3, stack, binary=binary, log_dir=tmp_path
+        )
         assert skipped == {} and set(peers) == set(PEER_METHODS)
         runs = {name: [peers[name].run([5, 6, 7], 6)] for name in PEER_METHODS}
         servers = [p.server.process for p in peers.values()]

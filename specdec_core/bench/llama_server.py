@@ -22,6 +22,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -221,6 +222,8 @@ def start_peers(
         model = gguf_of(target_ref)
     except PeerUnavailable as exc:
         return {}, dict.fromkeys(wanted, str(exc))
+    # The servers' output, for the reason when one fails to start.
+    log_dir = log_dir or Path(tempfile.mkdtemp(prefix="specdec-llama-server-"))
     methods: dict[str, LlamaServerMethod] = {}
     skipped: dict[str, str] = {}
     for name in wanted:
