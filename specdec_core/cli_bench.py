@@ -32,8 +32,9 @@ from .bench import (
     run_bench,
     start_peers,
 )
-from .cli import add_model_options, parse_draft_length, stderr_progress
+from .cli import add_model_options, parse_draft_length
 from .errors import SpecdecError
+from .progress import Progress, TerminalProgress
 from .threads import default_governor
 
 
@@ -122,11 +123,13 @@ def _bench(args: argparse.Namespace) -> int:
     from .bench_report import machine_info
 
     machine = machine_info()  # before loading: the load average then is the machine's, not ours
-    target = load_model(target_ref, device=args.device, precision=args.precision, progress=stderr_progress)
+    progress = TerminalProgress()
+    target = load_model(target_ref, device=args.device, precision=args.precision, progress=progress)
     needs_draft = any(needs_draft_model(m) for m in methods)
     if args.cost_curve or args.under_load:
         needs_draft = args.cost_curve and draft_spec not in ("ngram", "none")
-    draft = load_draft(draft_spec, target, progress=stderr_progress)[1] if needs_draft else None
+    draft = load_draft(draft_spec, target, progress=progress)[1] if needs_draft else None
+    progress.close()
     if args.cost_curve:
         return _cost_curve(target, draft, machine, args)
     if args.under_load:
@@ -139,7 +142,8 @@ def _bench(args: argparse.Namespace) -> int:
         everything: dict[str, Method] = {**built, **peers}
         start = time.perf_counter()
         label = str(exactness["label"]) if exactness else "unchecked"
-        results = run_bench(everything, prompts, target.tokenizer, settings, _ProgressBar(start), label)
+        bar = _BenchBar(progress)
+        results = run_bench(everything, prompts, target.tokenizer, settings, bar, label)
         wall = time.perf_counter() - start
     config = {
         "command": _command_line(args),
@@ -319,25 +323,18 @@ def _quiet_transformers() -> None:
     logging.set_verbosity_error()
 
 
-class _ProgressBar:
-    """`[#####.....] 12/112 code-is-prime · ours-draft 5.3 tok/s, ~4 min left` on stderr."""
+class _BenchBar:
+    """The bench's runs on the one terminal bar (`progress.TerminalProgress`), with the
+    current prompt, method and speed after it."""
 
-    def __init__(self, start: float) -> None:
-        self.start = start
+    def __init__(self, bar: TerminalProgress) -> None:
+        self.bar = bar
 
     def __call__(self, p: BenchProgress) -> None:
-        width = 30
-        filled = int(width * p.done / p.total) if p.total else 0
-        elapsed = time.perf_counter() - self.start
-        eta = f", ~{elapsed / p.done * (p.total - p.done) / 60:.0f} min left" if p.done else ""
         speed = f" {p.last_tokens_per_s:.2f} tok/s" if p.last_tokens_per_s is not None else ""
-        sys.stderr.write(
-            f"\r[{'#' * filled}{'.' * (width - filled)}] {p.done}/{p.total} "
-            f"{p.prompt_id} · {p.method}{speed}{eta}\033[K"
-        )
-        if p.done == p.total and p.total:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
+        self.bar(Progress("Benchmarking", p.done, p.total, unit="runs"), f"{p.prompt_id} · {p.method}{speed}")
+        if p.total and p.done >= p.total:
+            self.bar.close()
 
 
 def _write_outputs(report: BenchReport, args: argparse.Namespace) -> None:
