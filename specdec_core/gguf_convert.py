@@ -186,10 +186,11 @@ def check_gguf_file(path: Path) -> None:
     try:
         reader = GGUFReader(str(path))
         end = max((t.data_offset + t.n_bytes for t in reader.tensors), default=0)
-    except (ValueError, IndexError, KeyError, OverflowError, struct.error) as error:
+    except (ValueError, IndexError, KeyError, OverflowError, struct.error):
+        # The reader's own words (numpy reshape errors) mean nothing to a user.
         raise ModelLoadError(
-            f"{path.name} is a damaged or truncated GGUF file ({size} bytes; {str(error).splitlines()[0]}): "
-            "download it again"
+            f"{path.name} is a damaged or truncated GGUF file ({size} bytes; its header or tensor table "
+            "cannot be read): download it again"
         ) from None
     if end > size or not reader.tensors:
         raise ModelLoadError(
