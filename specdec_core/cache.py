@@ -193,12 +193,20 @@ def hash_folder(
     progress: ProgressCallback | None = None,
     cancel: threading.Event | None = None,
 ) -> dict[str, FileRecord]:
-    """Full-hash every file of `folder` (one level: what a conversion writes)."""
-    return {
-        path.name: FileRecord.of(path, hash_file(path, label=label, progress=progress, cancel=cancel))
-        for path in sorted(folder.iterdir())
-        if path.is_file()
-    }
+    """Full-hash every file of `folder` (one level: what a conversion writes), as one progress bar."""
+    files = sorted(path for path in folder.iterdir() if path.is_file())
+    total = sum(path.stat().st_size for path in files)
+    stage = f"Checking {label}"
+    records, done = {}, 0
+    for path in files:
+
+        def report(p: Progress, offset: int = done) -> None:
+            if progress is not None:
+                progress(Progress(stage, offset + p.done, total))
+
+        records[path.name] = FileRecord.of(path, hash_file(path, label=label, progress=report, cancel=cancel))
+        done += path.stat().st_size
+    return records
 
 
 def damaged_files(
@@ -228,17 +236,32 @@ def is_disk_full(error: BaseException) -> bool:
     return isinstance(error, OSError) and error.errno in DISK_FULL_ERRNOS
 
 
+def free_bytes(path: Path) -> int | None:
+    """Free space on the disk holding `path` (its nearest existing parent); None if unknown."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
 def disk_full_error(where: Path, needed: int | None, kept: str) -> FetchError:
     """The one line for a full disk: where, how much is free and needed, and what was kept."""
-    folder = where if where.is_dir() else where.parent
-    try:
-        free = f"{human_bytes(shutil.disk_usage(folder).free)} free"
-    except OSError:
-        free = "free space unknown"
+    folder = where if where.is_dir() or not where.suffix else where.parent
+    free = free_bytes(folder)
+    has = f"{human_bytes(free)} free" if free is not None else "free space unknown"
     need = f", about {human_bytes(needed)} needed" if needed else ""
     return FetchError(
-        f"no space left on the disk holding {folder} ({free}{need}): free some space and run again; {kept}"
+        f"no space left on the disk holding {folder} ({has}{need}): free some space and run again; {kept}"
     )
+
+
+def require_space(where: Path, needed: int, kept: str) -> None:
+    """Fail in a second, before minutes of work, when `needed` bytes cannot fit."""
+    free = free_bytes(where)
+    if free is not None and free < needed:
+        raise disk_full_error(where, needed, kept)
 
 
 def notice(progress: ProgressCallback | None, message: str) -> None:

@@ -71,7 +71,10 @@ class TokenizerLike(Protocol):
 
 
 # Draft specs that are not models: nothing to compare.
-MODEL_FREE_DRAFTS = {"ngram": "model-free prompt lookup: works with every target", "none": "no draft: the target alone"}
+MODEL_FREE_DRAFTS = {
+    "ngram": "model-free prompt lookup: works with every target",
+    "none": "no draft: the target alone",
+}
 
 
 @dataclass(frozen=True)
@@ -290,10 +293,20 @@ def rate_draft(target_ref: str, draft_ref: str) -> Compatibility:
             True, f"same {draft_entry.vocab} tokenizer family (catalog; checked again once both are downloaded)",
             "catalog",
         )  # fmt: skip
-    missing = draft_ref if draft_folder is None else target_ref
-    return Compatibility(
-        False, f"{missing} is not on this machine: `specdec fetch {missing}` to compare tokenizers", "catalog"
-    )
+    absent = [
+        ref for ref, folder in ((draft_ref, draft_folder), (target_ref, target_folder)) if folder is None
+    ]
+    why = "; ".join(f"{ref} {_why_absent(ref)}" for ref in absent)
+    return Compatibility(False, f"{why} to compare tokenizers", "catalog")
+
+
+def _why_absent(ref: str) -> str:
+    """Why `ref`'s tokenizer is not at hand, and the command that brings it."""
+    if Path(ref).expanduser().exists():
+        return f"is not converted yet: `specdec fetch {ref}` converts it once"
+    if load_catalog().get(ref) is not None:
+        return f"is not downloaded yet: `specdec fetch {ref}`"
+    return f"is not on this machine: `specdec fetch {ref}`"
 
 
 def _rate_folders(target_folder: Path, draft_folder: Path) -> Compatibility:
@@ -332,7 +345,9 @@ def _rows(folder: Path | None, entry: ModelEntry | None) -> int | None:
 
 def _suggestion(target: ModelEntry) -> str:
     same_family = [
-        e.name for e in load_catalog().models if e.vocab == target.vocab and "draft" in e.roles and e != target
+        e.name
+        for e in load_catalog().models
+        if e.vocab == target.vocab and "draft" in e.roles and e != target
     ]
     drafts = [*target.recommended_drafts, *same_family]
     return f" such as {drafts[0]}" if drafts else ""

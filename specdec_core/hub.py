@@ -32,6 +32,7 @@ try:  # huggingface_hub 2.x talks HTTP through httpx2, 1.x through httpx
 except ImportError:
     from httpx import TransportError
 
+from .cache import disk_full_error, is_disk_full
 from .errors import Cancelled, FetchError
 from .progress import Progress, ProgressCallback, check_cancelled
 
@@ -95,6 +96,11 @@ def download_snapshot(
         )  # fmt: skip
     except (TransportError, HfHubHTTPError) as error:
         raise FetchError(f"downloading {repo_id} from the model hub failed: {_first_line(error)}") from None
+    except OSError as error:
+        if is_disk_full(error):
+            kept = "the files already downloaded are kept; run the same command to resume"
+            raise disk_full_error(Path(hub_constants.HF_HUB_CACHE), None, kept) from None
+        raise
     if not (Path(folder) / "config.json").is_file():
         raise FetchError(
             f"{repo_id} holds no config.json (a GGUF-only repository?): download one of its .gguf files "

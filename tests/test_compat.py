@@ -202,13 +202,21 @@ def test_rate_draft_accepts_a_same_family_catalog_draft_before_download_pending_
     assert "checked again once both are downloaded" in verdict.reason
 
 
-def test_model_free_drafts_fit_every_target_and_unknown_models_say_how_to_fetch(empty_caches):
+def test_model_free_drafts_fit_every_target_and_absent_models_say_how_to_get_them(empty_caches, tmp_path):
     assert rate_draft("acme/absent", "ngram") == Compatibility(
         True, "model-free prompt lookup: works with every target", "builtin"
     )
     assert rate_draft(DEFAULT_TARGET, "none").compatible
     verdict = rate_draft(DEFAULT_TARGET, "acme/absent-draft")
     assert verdict == Compatibility(
-        False, "acme/absent-draft is not on this machine: `specdec fetch acme/absent-draft` to compare tokenizers",
+        False,
+        "acme/absent-draft is not on this machine: `specdec fetch acme/absent-draft`; "
+        f"{DEFAULT_TARGET} is not downloaded yet: `specdec fetch {DEFAULT_TARGET}` to compare tokenizers",
         "catalog",
+    )  # fmt: skip
+    local_gguf = tmp_path / "m.gguf"
+    local_gguf.write_bytes(b"GGUF")
+    draft = write_folder(tmp_path / "draft", train_tokenizer(SENTENCES), 200)
+    assert rate_draft(str(local_gguf), str(draft)).reason == (
+        f"{local_gguf} is not converted yet: `specdec fetch {local_gguf}` converts it once to compare tokenizers"
     )  # fmt: skip
