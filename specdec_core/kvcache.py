@@ -3,6 +3,15 @@
 `ids` mirrors what the cache holds, so syncing to a new token list is "keep the
 common prefix, crop the rest" — the same operation rolls back rejected draft
 tokens and reuses a previous chat turn's prompt.
+
+Two things make that rollback exact on every architecture:
+- Sliding-window layers (Mistral, Phi-3, Gemma 2/3, Qwen2 with a window) keep
+  every past state (`RollbackSlidingWindowLayer`): transformers' own sliding layer
+  keeps only the window and cannot be cropped once it is full. The model still sees
+  exactly the keys its own sliding layer would hand it, so the window applies as before.
+- A forward that fails half-way (out of memory, an interrupt) has already written
+  some layers; the cache is then reset, so the next forward re-feeds the sequence
+  instead of reading half-written states.
 """
 
 from __future__ import annotations
@@ -11,12 +20,69 @@ from collections.abc import Sequence
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+# Tests turn this on (tests/conftest.py): every forward then checks that each cache
+# layer holds exactly len(ids) positions.
+CHECK_INVARIANT = False
+
+
+class RollbackSlidingWindowLayer(DynamicSlidingWindowLayer):
+    """A sliding-window layer that keeps all its past states, so `crop` works at any depth.
+
+    `update` returns the same keys/values transformers' sliding layer would (the last
+    `window - 1` cached positions plus the new ones) and `get_mask_sizes` is inherited,
+    so attention computes exactly what it computes with the stock cache. Memory is
+    that of a full-attention layer.
+    """
+
+    _layer_type = None  # never register this class in transformers' layer mappings
+    is_croppable = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        visible = min(self.cumulative_length, self.sliding_window - 1) + key_states.shape[-2]
+        self.cumulative_length += key_states.shape[-2]
+        self.keys = torch.cat([self.keys, key_states], dim=-2)
+        self.values = torch.cat([self.values, value_states], dim=-2)
+        # The stock layer returns a fresh contiguous tensor; so do we (same kernels downstream).
+        return self.keys[:, :, -visible:].contiguous(), self.values[:, :, -visible:].contiguous()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes a negative count of positions to remove")
+        if tokens_to_remove == 0 or not self.is_initialized:
+            return
+        self.keys = self.keys[..., :tokens_to_remove, :]
+        self.values = self.values[..., :tokens_to_remove, :]
+        self.cumulative_length = self.keys.shape[-2]
+
+
+def new_cache(config: object) -> DynamicCache:
+    """transformers' per-layer cache for `config`, with sliding layers that can roll back."""
+    cache = DynamicCache(config=config)
+    for i, layer in enumerate(cache.layers):
+        if type(layer) is DynamicSlidingWindowLayer:
+            cache.layers[i] = RollbackSlidingWindowLayer(sliding_window=layer.sliding_window)
+    return cache
+
+
+def layer_lengths(cache: DynamicCache) -> list[int]:
+    """Cached positions of each attention layer (recurrent and empty shared layers skipped)."""
+    return [
+        layer.get_seq_length()
+        for layer in cache.layers
+        if isinstance(layer, DynamicLayer) and layer.is_initialized
+    ]
 
 
 class CachedModel:
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
-        self.cache = DynamicCache(config=model.config)
+        self.cache = new_cache(model.config)
         self.ids: list[int] = []
         self.forwards = 0
 
@@ -25,14 +91,20 @@ class CachedModel:
         return next(self.model.parameters()).device
 
     def reset(self) -> None:
-        self.cache = DynamicCache(config=self.model.config)
+        self.cache = new_cache(self.model.config)
         self.ids = []
 
     def crop(self, length: int) -> None:
         """Keep the first `length` cached positions."""
-        if length < len(self.ids):
-            self.cache.crop(length - len(self.ids))  # transformers 5: negative = tokens to remove
-            del self.ids[length:]
+        if length >= len(self.ids):
+            return
+        if not self.cache.is_croppable:
+            # Recurrent (linear-attention) states cannot be rolled back: start over, the
+            # next forward re-feeds the kept tokens. Exact, and slow only for such models.
+            self.reset()
+            return
+        self.cache.crop(length - len(self.ids))  # transformers 5: negative = positions to remove
+        del self.ids[length:]
 
     def sync(self, tokens: Sequence[int]) -> int:
         """Crop to the longest cached prefix of `tokens`; return its length."""
@@ -43,13 +115,28 @@ class CachedModel:
         self.crop(n)
         return n
 
+    def synchronize(self) -> None:
+        """Wait for the device's queued work, so a clock read after it times the forward itself."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     @torch.inference_mode()
     def forward(self, new_ids: Sequence[int], logits_to_keep: int) -> torch.Tensor:
         """Append `new_ids` to the cache; return logits [logits_to_keep, V] (fp32)."""
         input_ids = torch.tensor([list(new_ids)], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=input_ids, cache=self.cache, use_cache=True, logits_to_keep=logits_to_keep)
+        try:
+            out = self.model(
+                input_ids=input_ids, cache=self.cache, use_cache=True, logits_to_keep=logits_to_keep
+            )
+        except BaseException:
+            # Some layers may already hold the new positions: the cache no longer matches ids.
+            self.reset()
+            raise
         self.cache = out.cache if getattr(out, "cache", None) is not None else self.cache
         self.ids.extend(new_ids)
         self.forwards += 1
+        if CHECK_INVARIANT:
+            lengths = layer_lengths(self.cache)
+            assert all(n == len(self.ids) for n in lengths), f"cache holds {lengths} for {len(self.ids)} ids"
         # Logits upcast to fp32 before comparing/sampling (as transformers does).
         return out.logits[0].float()

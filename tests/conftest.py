@@ -40,3 +40,12 @@ def _collect_on_the_main_thread():
     yield
     if not gc.isenabled():
         gc.collect()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _check_the_cache_after_every_forward():
+    """Every forward asserts that the KV cache holds exactly the tokens it believes it holds."""
+    from specdec_core import kvcache
+
+    kvcache.CHECK_INVARIANT = True
+    yield
