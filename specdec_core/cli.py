@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from .errors import InternalError, InvalidParameter, SpecdecError
-from .progress import Progress
+from .progress import TerminalProgress
 
 if TYPE_CHECKING:
     from .engine import GenerationParams
@@ -119,21 +119,6 @@ def _number(kind: type) -> Any:
     return parse
 
 
-def stderr_progress(p: Progress) -> None:
-    """A one-line terminal progress bar on stderr."""
-    if p.total > 0:
-        width = 30
-        filled = int(width * p.done / p.total)
-        sys.stderr.write(
-            f"\r{p.stage}: [{'#' * filled}{'.' * (width - filled)}] {p.done / 2**20:.0f}/{p.total / 2**20:.0f} MiB"
-        )
-        if p.done >= p.total:
-            sys.stderr.write("\n")
-    else:
-        sys.stderr.write(f"{p.stage}…\n")
-    sys.stderr.flush()
-
-
 def _register_generate(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("generate", help="generate one answer headlessly (text or --json)")
     add_model_options(p)
@@ -157,7 +142,9 @@ def _generate(args: argparse.Namespace) -> int:
         raise InvalidParameter("--prompt is empty: a --raw prompt needs at least one token")
     session = ChatSession()
     # A draft that does not fit is refused here, not replaced: the run asked for it.
-    info = session.load(load_spec(args, draft_fallback=False), progress=stderr_progress)
+    progress = TerminalProgress()
+    info = session.load(load_spec(args, draft_fallback=False), progress=progress)
+    progress.close()
     print(f"specdec: target on {info.description}, draft {info.draft_name}", file=sys.stderr)
     if info.warning:
         print(f"specdec: warning: {info.warning}", file=sys.stderr)
@@ -245,10 +232,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("specdec: interrupted", file=sys.stderr)
         return 130
+    except MemoryError:
+        print("specdec: error: out of memory: free memory or raise the limit (ulimit -v)", file=sys.stderr)
+        return 2
     except Exception as exc:  # a bug: one line, the traceback with --debug
         if debug:
             traceback.print_exc()
         detail = " ".join(str(exc).split())
+        if isinstance(exc, ImportError | OSError) and "failed to map segment" in detail:
+            # A library could not even be mapped: the address-space limit, not a bug.
+            print(
+                "specdec: error: not enough memory to start (a library failed to map into memory): "
+                "free memory or raise the limit (ulimit -v)",
+                file=sys.stderr,
+            )
+            return 2
         print(
             f"specdec: error: internal error: {type(exc).__name__}: {detail} (rerun with --debug for the traceback)",
             file=sys.stderr,

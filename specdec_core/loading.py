@@ -238,8 +238,7 @@ def _load_weights(
         model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True, **kwargs)
     except (torch.OutOfMemoryError, MemoryError) as exc:
         raise OutOfMemory(
-            f"out of memory loading {ref} at {precision} on {device}; "
-            "try a smaller precision (int8, nf4), --offload, or a smaller model"
+            f"out of memory loading {ref} at {precision} on {device}; {_oom_hint(device, precision)}"
         ) from exc
     except Exception as exc:
         mapped = _weights_error(exc, ref)
@@ -252,6 +251,17 @@ def _load_weights(
         # With row-wise attention too, verify and plain decoding give bitwise-equal logits.
         make_batch_invariant(model)
     return model.eval()
+
+
+def _oom_hint(device: str, precision: str) -> str:
+    smaller = {"fp32": ["bf16", "int8"], "bf16": ["int8"], "fp16": ["int8"]}.get(precision, [])
+    if device == "cuda":
+        smaller = {"bf16": ["nf4"], "fp16": ["nf4"], "fp32": ["bf16", "nf4"], "int8": ["nf4"]}.get(
+            precision, []
+        )
+    tries = [f"--precision {p}" for p in smaller] + (["--offload"] if device == "cuda" else [])
+    tries.append("a smaller model")
+    return "try " + ", ".join(tries[:-1]) + (" or " if len(tries) > 1 else "") + tries[-1]
 
 
 def _placement(device: str, precision: str, offload: bool) -> dict[str, Any]:

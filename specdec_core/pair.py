@@ -2,8 +2,8 @@
 
 The draft is named by a `DraftSpec`, parsed once from what the user typed: a model
 reference, `ngram` (model-free prompt lookup) or `none` (speculation off).
-A model draft must map tokens to ids exactly as the target does; that is checked on
-its tokenizer before its weights are loaded, and refused with the reason.
+A model draft must map tokens to ids exactly as the target does; that is judged on its
+tokenizer files (`compat.rate_draft`) before its weights are loaded, and refused with the reason.
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .chat import stop_token_ids
-from .compat import check_draft_compatibility, config_vocab_size
+from .compat import rate_draft
 from .drafters import Drafter, LookupThenModelDrafter, ModelDrafter, NgramDrafter, NoDrafter
 from .engine import SpeculativeEngine
 from .errors import IncompatibleDraftError, InvalidParameter
-from .loading import LoadedModel, load_model, load_tokenizer, resolve_path
+from .loading import LoadedModel, load_model, resolve_path
 from .progress import ProgressCallback
 
 NGRAM = "ngram"
@@ -75,22 +75,13 @@ class LoadedPair:
 
 
 def make_drafter(spec: DraftSpec | str, target: LoadedModel, draft: LoadedModel | None) -> Drafter:
+    """The drafter object for a spec; a model draft must already have been judged compatible."""
     spec = DraftSpec.parse(spec)
     if spec.kind == NONE:
         return NoDrafter()
     if spec.kind == NGRAM:
         return NgramDrafter()
     assert draft is not None
-    verdict = check_draft_compatibility(
-        target.tokenizer,
-        draft.tokenizer,
-        target_vocab_size=target.vocab_size,
-        draft_vocab_size=draft.vocab_size,
-    )
-    if not verdict.compatible:
-        raise IncompatibleDraftError(
-            f"draft {draft.name} does not fit target {target.name}: {verdict.reason}"
-        )
     # Prompt lookup first (free: copied spans of the conversation), the model otherwise;
     # measured fastest overall in docs/benchmarks.md (`ours-auto`), exact either way.
     return LookupThenModelDrafter(ModelDrafter(draft.model, name=draft.name, vocab_size=target.vocab_size))
@@ -106,19 +97,14 @@ def load_draft(
 ) -> tuple[Drafter, LoadedModel | None]:
     """The drafter for `spec`, loading a draft model on the target's device and precision.
 
-    A model draft's tokenizer is compared with the target's first, so an incompatible
-    draft is refused before its weights are read.
+    A model draft is judged on its tokenizer files first (`compat.rate_draft`, the verdict
+    every front end shows), so an incompatible draft is refused before its weights are read.
     """
     spec = DraftSpec.parse(spec)
     if not spec.is_model:
         return make_drafter(spec, target, None), None
     path = resolve_path(spec.ref, progress=progress, cancel=cancel)
-    verdict = check_draft_compatibility(
-        target.tokenizer,
-        load_tokenizer(path, spec.ref, trust_remote_code),
-        target_vocab_size=target.vocab_size,
-        draft_vocab_size=config_vocab_size(path),
-    )
+    verdict = rate_draft(str(target.path), str(path))
     if not verdict.compatible:
         raise IncompatibleDraftError(
             f"draft {spec.display_name} does not fit target {target.name}: {verdict.reason}"

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .chat import Message, encode_chat, encode_text
-from .compat import Compatibility, check_draft_compatibility, config_vocab_size
+from .compat import Compatibility, rate_draft
 from .engine import GenerationParams, SpeculativeEngine
 from .errors import (
     ContextTooLong,
@@ -47,7 +47,7 @@ from .errors import (
     SpecdecError,
 )
 from .events import DoneEvent, Event
-from .loading import LoadedModel, load_model, load_tokenizer, resolve_path
+from .loading import LoadedModel, load_model
 from .pair import DraftSpec, LoadedPair, load_draft, make_engine
 from .progress import Progress, ProgressCallback, check_cancelled
 
@@ -173,10 +173,8 @@ class ChatSession:
         return self.info
 
     def rate_drafts(self, refs: Sequence[str]) -> dict[str, Compatibility]:
-        """Whether each candidate draft fits the loaded target, with a reason, without loading weights.
-
-        References that cannot be judged without a download are left out.
-        """
+        """Whether each candidate draft fits the loaded target, with a reason, without loading
+        weights or downloading anything (`compat.rate_draft`: one verdict for every front end)."""
         pair = self._require()
         verdicts: dict[str, Compatibility] = {}
         for ref in refs:
@@ -184,8 +182,7 @@ class ChatSession:
                 verdict = _rate_draft(pair.target, ref)
             except SpecdecError as exc:
                 verdict = Compatibility(False, str(exc))
-            if verdict is not None:
-                verdicts[ref] = verdict
+            verdicts[ref] = verdict
         return verdicts
 
     def calibrate(self) -> None:
@@ -364,28 +361,9 @@ def _without_stop_suffix(done: DoneEvent, engine: SpeculativeEngine) -> str:
     return done.text[: -len(stop_text)] if stop_text and done.text.endswith(stop_text) else done.text
 
 
-def _rate_draft(target: LoadedModel, ref: str) -> Compatibility | None:
-    spec = DraftSpec.parse(ref)
-    if not spec.is_model:
-        return Compatibility(True, "needs no model")
-    try:
-        from .compat import rate_draft  # type: ignore[attr-defined]
-    except ImportError:
-        rate_draft = None
-    if rate_draft is not None:
-        return rate_draft(target.ref, spec.ref)
-    from pathlib import Path
-
-    folder = Path(spec.ref).expanduser()
-    if not (folder / "config.json").is_file():
-        return None  # judged only on files at hand; a catalog name would need its download
-    path = resolve_path(spec.ref)
-    return check_draft_compatibility(
-        target.tokenizer,
-        load_tokenizer(path, spec.ref),
-        target_vocab_size=target.vocab_size,
-        draft_vocab_size=config_vocab_size(path),
-    )
+def _rate_draft(target: LoadedModel, ref: str) -> Compatibility:
+    """compat.rate_draft — the one verdict — on the loaded target and a parsed draft spec."""
+    return rate_draft(target.ref, str(DraftSpec.parse(ref)))
 
 
 @contextmanager

@@ -129,7 +129,7 @@ def test_out_of_memory_while_loading_is_one_line(monkeypatch, tiny_folder):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
 
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", too_big)
-    with pytest.raises(OutOfMemory, match="try a smaller precision"):
+    with pytest.raises(OutOfMemory, match="try --precision bf16"):
         ChatSession().load(LoadSpec(str(tiny_folder), device="cpu", precision="fp32"))
 
 
