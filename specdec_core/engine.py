@@ -34,6 +34,7 @@ from .drafters import EMPTY_DRAFT, Draft, Drafter, LookupThenModelDrafter, Model
 from .events import DoneEvent, Event, PrefillEvent, Source, StepEvent, TokenEvent
 from .kvcache import CachedModel
 from .sampling import SamplingParams
+from .selfcheck import ExactnessReport
 from .stats import GenerationStats
 from .threads import default_governor
 
@@ -100,6 +101,8 @@ class SpeculativeEngine:
         self.costs = CostModel()
         # Read at every step, so the UI's toggle applies to a running generation.
         self.speculation_enabled = True
+        # Set by whoever ran the self-check (ChatSession.load, bench); read into the stats.
+        self.exactness: ExactnessReport | None = None
 
     # -- public ---------------------------------------------------------------
 

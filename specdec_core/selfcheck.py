@@ -1,0 +1,86 @@
+"""Exactness self-check: does a k-token verify compute what k plain steps compute?
+
+Speculative greedy decoding commits the target's argmax at every position of a
+verify. It reproduces the target alone bit for bit only if the logits of a verify
+row equal those of the one-token step plain decoding would run there. Whether they
+do depends on the kernels of this machine, precision and model, so it is measured
+on the loaded model, on a short context, within a time budget (default 2 s):
+
+    prefill  c_1..c_n                  (one forward)
+    verify   t_1..t_k                  -> logits A [k, V]   (one forward)
+    crop back to n; steps t_1, .., t_k -> logits B [k, V]   (k forwards)
+
+`bitwise`: A == B exactly, so greedy output equals the target alone's.
+`near-ties may differ`: the largest |A - B| is reported; a token whose top two
+logits are closer than that may come out differently than without speculation
+(the output is still a faithful greedy decoding of the target up to that rounding).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .engine import SpeculativeEngine
+
+BITWISE = "bitwise"
+NEAR_TIES = "near-ties may differ"
+
+_CONTEXT = 12  # prompt positions before the verify
+_VERIFY = 8  # verify rows compared (at least 2 are always checked, whatever the budget)
+
+
+@dataclass(frozen=True)
+class ExactnessReport:
+    label: str  # BITWISE | NEAR_TIES
+    max_logit_diff: float  # max |verify logits - single-step logits| seen
+    positions: int  # positions compared
+    seconds: float  # time the check took
+
+    @property
+    def bitwise(self) -> bool:
+        return self.label == BITWISE
+
+    def summary(self) -> str:
+        """One line for humans."""
+        if self.bitwise:
+            return f"bitwise (k-token verify == k plain steps, {self.positions} positions)"
+        return (
+            f"near-ties may differ (verify vs plain steps: max logit difference "
+            f"{self.max_logit_diff:.3g} over {self.positions} positions)"
+        )
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def check_exactness(engine: SpeculativeEngine, budget_s: float = 2.0) -> ExactnessReport:
+    """Compare a verify with plain steps on the engine's target; leaves the target cache empty."""
+    start = time.perf_counter()
+    runner = engine.target
+    ids = torch.randint(
+        0, engine.vocab_size, (_CONTEXT + _VERIFY,), generator=torch.Generator().manual_seed(0)
+    ).tolist()
+    context, tail = ids[:_CONTEXT], ids[_CONTEXT:]
+    try:
+        runner.reset()
+        runner.forward(context, logits_to_keep=1)
+        verify = runner.forward(tail, logits_to_keep=len(tail))  # [k, V]
+        runner.crop(_CONTEXT)
+        steps: list[torch.Tensor] = []
+        for token in tail:
+            steps.append(runner.forward([token], logits_to_keep=1)[0])
+            if len(steps) >= 2 and time.perf_counter() - start > budget_s:
+                break
+    finally:
+        runner.reset()
+    n = len(steps)
+    diff = float((verify[:n] - torch.stack(steps)).abs().max())
+    label = BITWISE if diff == 0.0 else NEAR_TIES
+    return ExactnessReport(
+        label=label, max_logit_diff=diff, positions=n, seconds=time.perf_counter() - start
+    )

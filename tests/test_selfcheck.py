@@ -1,0 +1,51 @@
+"""The exactness self-check tells a batch-invariant forward from one that is not."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from specdec_core.batch_invariant import make_batch_invariant
+from specdec_core.engine import SpeculativeEngine
+from specdec_core.quant_cpu import int8_available, quantize_linears_int8
+from specdec_core.selfcheck import BITWISE, NEAR_TIES, check_exactness
+
+
+class _RowCountBias(torch.nn.Module):
+    """A linear whose output shifts with the number of tokens in the forward."""
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__()
+        self.linear = linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) + 1e-3 * x.shape[-2]
+
+
+def test_a_batch_dependent_forward_is_reported_with_its_logit_difference(tokenizer, target):
+    model = copy.deepcopy(target)
+    model.lm_head = _RowCountBias(model.lm_head)
+    report = check_exactness(SpeculativeEngine(model, tokenizer))
+    assert report.label == NEAR_TIES
+    assert report.max_logit_diff == pytest.approx(7e-3, rel=1e-3)  # 8 rows vs 1
+    assert "near-ties may differ" in report.summary()
+    assert report.as_dict()["positions"] == report.positions >= 2
+
+
+@pytest.mark.skipif(not int8_available(), reason="this torch build has no fbgemm int8 kernels")
+def test_the_batch_invariant_int8_forward_checks_bitwise_and_leaves_no_cache(tokenizer, target):
+    model = copy.deepcopy(target)
+    quantize_linears_int8(model)
+    make_batch_invariant(model)
+    engine = SpeculativeEngine(model, tokenizer)
+    report = check_exactness(engine)
+    assert (report.label, report.max_logit_diff) == (BITWISE, 0.0)
+    assert report.summary().startswith("bitwise")
+    assert engine.target.ids == []
+
+
+def test_a_zero_budget_still_compares_two_positions(tokenizer, target):
+    report = check_exactness(SpeculativeEngine(target, tokenizer), budget_s=0.0)
+    assert report.positions == 2
