@@ -81,6 +81,4 @@ def check_exactness(engine: SpeculativeEngine, budget_s: float = 2.0) -> Exactne
     n = len(steps)
     diff = float((verify[:n] - torch.stack(steps)).abs().max())
     label = BITWISE if diff == 0.0 else NEAR_TIES
-    return ExactnessReport(
-        label=label, max_logit_diff=diff, positions=n, seconds=time.perf_counter() - start
-    )
+    return ExactnessReport(label=label, max_logit_diff=diff, positions=n, seconds=time.perf_counter() - start)
