@@ -11,8 +11,9 @@ Qt-free so it can be tested on plain strings; `token_view` turns it into a docum
 
 from __future__ import annotations
 
+import copy
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 _FENCE = re.compile(r"^\s{0,3}(`{3,}|~{3,})\s*([\w+#.-]*)")
@@ -44,7 +45,7 @@ class Block:
     runs: list[Run] = field(default_factory=list)
     level: int = 0  # heading level, or list nesting depth
     number: int = 0  # ordered list item number
-    language: str = ""  # code fence info
+    language: str = ""  # code fence info (on every line of a code block)
     first_in_group: bool = True  # False for the 2nd+ line of a paragraph or code block
 
     @property
@@ -62,49 +63,113 @@ def owners(token_texts: Sequence[str]) -> list[int]:
 
 def layout(text: str, owner: Sequence[int] | None = None) -> list[Block]:
     """Blocks of runs for `text`; `owner[i]` is the token of character i (None: no tokens)."""
-    blocks: list[Block] = []
-    fence: str | None = None
-    previous_kind = ""
+    return list(iter_layout(text, owner))
+
+
+def iter_layout(text: str, owner: Sequence[int] | None = None) -> Iterator[Block]:
+    """`layout` one block at a time, so a long answer can be drawn in slices."""
+    layouter = Layouter()
     pos = 0
     for line in text.split("\n"):
-        start, end = pos, pos + len(line)
-        pos = end + 1
-        if fence is not None:
-            if line.strip().startswith(fence) and set(line.strip()) <= set(fence[0]):
-                fence = None
-                previous_kind = "fence-end"
-                continue
-            blocks.append(Block("code", _plain(text, owner, start, end, code=True), first_in_group=False))
-            previous_kind = "code"
-            continue
+        yield from layouter.feed(text, owner, pos, pos + len(line))
+        pos += len(line) + 1
+    yield from layouter.finish()
+
+
+class Layouter:
+    """Turns lines into blocks, one line at a time; `finish()` after the last line.
+
+    The state carried from line to line is small: an open fence, the previous line's
+    kind (a paragraph's next line continues it), and a fence line whose block waits
+    for the next line (its language goes to the first code line; with no code after
+    it, it is an empty code block). `copy.copy` of a layouter is a cheap snapshot.
+    """
+
+    def __init__(self) -> None:
+        self.fence: str | None = None
+        self.language = ""  # of the open fence: every line of a code block carries it
+        self.previous_kind = ""
+        self.pending_fence: Block | None = None
+
+    def feed(self, text: str, owner: Sequence[int] | None, start: int, end: int) -> list[Block]:
+        """The blocks text[start:end] (one line, no newline) completes."""
+        line = text[start:end]
+        if self.fence is not None:
+            if line.strip().startswith(self.fence) and set(line.strip()) <= set(self.fence[0]):
+                self.fence = None
+                self.previous_kind = "fence-end"
+                return self.finish()
+            runs = _plain(text, owner, start, end, code=True)
+            block = Block("code", runs, language=self.language, first_in_group=False)
+            self.previous_kind = "code"
+            if self.pending_fence is not None:
+                block.first_in_group = True
+                self.pending_fence = None
+            return [block]
+        out = self.finish()
         match = _FENCE.match(line)
         if match:
-            fence = match.group(1)
-            blocks.append(Block("fence", [], language=match.group(2)))  # the fence line itself
-            previous_kind = "code-open"
-            continue
-        if not line.strip():
-            previous_kind = ""
-            continue
-        block = _line_block(text, owner, line, start, end, previous_kind)
-        blocks.append(block)
-        previous_kind = block.kind
-    # Drop the empty opening line of a fence that got content: it only carried the language.
-    return _merge_fence_openers(blocks)
+            self.fence, self.language = match.group(1), match.group(2)
+            self.pending_fence = Block("fence", [], language=self.language)
+            self.previous_kind = "code-open"
+        elif not line.strip():
+            self.previous_kind = ""
+        else:
+            block = _line_block(text, owner, line, start, end, self.previous_kind)
+            self.previous_kind = block.kind
+            out.append(block)
+        return out
+
+    def finish(self) -> list[Block]:
+        """A fence line with no code after it is an empty code block (or one streaming in)."""
+        pending, self.pending_fence = self.pending_fence, None
+        return [] if pending is None else [Block("code", [], language=pending.language)]
 
 
-def _merge_fence_openers(blocks: list[Block]) -> list[Block]:
-    out: list[Block] = []
-    for i, block in enumerate(blocks):
-        nxt = blocks[i + 1] if i + 1 < len(blocks) else None
-        if block.kind == "fence":
-            if nxt is not None and nxt.kind == "code" and not nxt.first_in_group:
-                nxt.first_in_group = True
-                nxt.language = block.language
-                continue
-            block.kind = "code"  # an empty code block (or one whose first line is streaming in)
-        out.append(block)
-    return out
+class LiveLayout:
+    """The layout of a streaming answer, redone only from its last incomplete line.
+
+    Complete lines are laid out once (their blocks never change again); each call of
+    `blocks()` lays out just the tail, on a snapshot of the layouter, so a redraw of a
+    long answer costs about the new tokens, not the whole answer.
+    """
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.owner: list[int] = []
+        self.token_count = 0
+        self._layouter = Layouter()
+        self._stable: list[Block] = []
+        self._line_start = 0  # where the first not yet complete line starts
+
+    @property
+    def stable_count(self) -> int:
+        """How many leading blocks of `blocks()` are final."""
+        return len(self._stable)
+
+    def extend(self, token_texts: Sequence[str]) -> None:
+        for text in token_texts:
+            self.owner.extend([self.token_count] * len(text))
+            self.text += text
+            self.token_count += 1
+
+    def stable_blocks(self) -> list[Block]:
+        """The blocks that can no longer change (those of the complete lines so far)."""
+        text, owner = self.text, self.owner
+        end = text.rfind("\n")
+        while self._line_start <= end:
+            line_end = text.index("\n", self._line_start)
+            self._stable += self._layouter.feed(text, owner, self._line_start, line_end)
+            self._line_start = line_end + 1
+        return self._stable
+
+    def tail_blocks(self) -> list[Block]:
+        """The blocks of the last, incomplete line, as if the text ended there."""
+        tail = copy.copy(self._layouter)
+        return tail.feed(self.text, self.owner, self._line_start, len(self.text)) + tail.finish()
+
+    def blocks(self) -> list[Block]:
+        return self.stable_blocks() + self.tail_blocks()
 
 
 def _line_block(
@@ -168,3 +233,28 @@ def _inline(text: str, owner: Sequence[int] | None, start: int, end: int) -> lis
         cursor = match.end()
     runs += _plain(text, owner, start + cursor, end)
     return runs
+
+
+def markdown_sections(text: str) -> list[str]:
+    """`text` cut at blank lines outside fenced code, so that each part can be rendered
+    (and a streaming answer re-rendered) on its own; joined with blank lines they
+    make `text` again, up to the number of blank lines between parts."""
+    sections: list[str] = []
+    current: list[str] = []
+    fence: str | None = None
+    for line in text.split("\n"):
+        match = _FENCE.match(line)
+        if fence is not None:
+            if line.strip().startswith(fence) and set(line.strip()) <= set(fence[0]):
+                fence = None
+        elif match:
+            fence = match.group(1)
+        elif not line.strip():
+            if current:
+                sections.append("\n".join(current))
+                current = []
+            continue
+        current.append(line)
+    if current:
+        sections.append("\n".join(current))
+    return sections

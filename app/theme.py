@@ -27,6 +27,7 @@ class Tints:
     code_background: QColor
     muted_text: QColor
     user_bubble: QColor
+    theme: str = "light"  # the theme they belong to (code colours follow it)
 
     def for_source(self, source: str) -> QColor | None:
         return {"accepted": self.accepted, "corrected": self.corrected, "bonus": self.bonus}.get(source)
@@ -49,6 +50,7 @@ DARK_TINTS = Tints(
     code_background=QColor("#1b1f24"),
     muted_text=QColor("#9ca3af"),
     user_bubble=QColor("#262b36"),
+    theme="dark",
 )
 
 

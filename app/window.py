@@ -27,7 +27,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from . import catalog_info, theme
+from . import catalog_info, highlight, theme
 from .chat_controller import ChatController
 from .conversation_sidebar import ConversationSidebar
 from .conversations import Conversation, ConversationStore
@@ -81,6 +81,7 @@ class MainWindow(QMainWindow):
         self._theme_choice = options.theme or self.settings.theme
         self.setWindowTitle("specdec")
         self.setWindowIcon(theme.app_icon())
+        highlight.warm_up()
         self._build_parts(initial_models(options, self.settings))
         self._build_actions()
         self._build_menus()

@@ -170,3 +170,37 @@ def test_settings_are_declared_once_with_unique_keys_and_bad_values_read_as_defa
     settings.seed = 7
     settings.sync()
     assert AppSettings().seed == 7 and AppSettings().geometry.isEmpty()
+
+
+def test_streaming_layout_equals_the_whole_layout_at_every_prefix():
+    from app.markup import LiveLayout
+
+    tokens = ["Intro **bo", "ld** and `x", "`\n", "```", "py", "thon\n", "def f", "():\n", "\n", "    return", " 1\n"]
+    tokens += ["```", "\n\n", "- one\n", "  - two", "\n3. three\n", "> said\n", "---", "\npara", "graph\nmore\n"]
+    live = LiveLayout()
+    for n, token in enumerate(tokens, 1):
+        live.extend([token])
+        prefix = tokens[:n]
+        assert live.blocks() == layout("".join(prefix), owners(prefix)), f"after {prefix!r}"
+        assert live.blocks()[: live.stable_count] == live.stable_blocks()
+
+
+def test_markdown_sections_split_at_blank_lines_but_never_inside_a_fence():
+    from app.markup import markdown_sections
+
+    text = "para one\nstill one\n\n```py\na = 1\n\nb = 2\n```\n\n\n- list"
+    assert markdown_sections(text) == ["para one\nstill one", "```py\na = 1\n\nb = 2\n```", "- list"]
+
+
+def test_token_index_finds_tokens_by_position_and_forgets_a_cut_tail():
+    from app.token_index import TokenIndex
+
+    a, b = StoredToken("ab", "accepted", 1), StoredToken("cd", "bonus", 1)
+    index = TokenIndex()
+    index.add(0, 2, a)
+    index.add(5, 7, b)
+    assert (index.at(0), index.at(1), index.at(2), index.at(6), index.at(7)) == (a, a, None, b, None)
+    with pytest.raises(ValueError):
+        index.add(6, 8, a)
+    index.cut(5)
+    assert index.at(6) is None and len(index) == 1

@@ -1,0 +1,215 @@
+"""The transcript never holds the UI thread: long answers finish, long conversations open
+and themes switch in slices. No model: answers are built as stored tokens.
+
+Responsiveness is measured as the test_app_window heartbeat does (a precise QTimer
+and QElapsedTimer), but the bound is on the UI thread's own CPU time between two
+beats: on a shared CI machine the wall-clock gap also counts time the OS gave to
+other processes, which says nothing about this code. Garbage from earlier tests is
+frozen first, so that a full collection of their heap does not land in a gap.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import random
+import time
+
+import pytest
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+from PySide6.QtCore import QElapsedTimer, Qt, QTimer
+from PySide6.QtGui import QColor
+
+from app import highlight
+from app.conversations import StoredMessage, StoredToken
+from app.highlight import Highlighter
+from app.theme import DARK_TINTS, LIGHT_TINTS
+from app.token_view import TOKEN_SOURCE, TokenView
+
+MAX_UI_GAP_MS = 50.0
+RENDER_TIMEOUT_MS = 120_000
+SOURCES = ("accepted", "accepted", "accepted", "corrected", "bonus", "target")
+PROSE = [
+    "the",
+    "model",
+    "writes",
+    "a",
+    "**bold**",
+    "claim",
+    "and",
+    "some",
+    "`inline",
+    "code`",
+    "then",
+    "explains",
+    "it",
+]
+CODE = ["def", " area", "(r", "):", "\n    return", " 3.14", " *", " r", " **", " 2", "\n"]
+
+
+def answer_tokens(count: int, seed: int = 0) -> list[StoredToken]:
+    """`count` tokens of a plausible answer: paragraphs, a heading, lists and Python fences."""
+    rng = random.Random(seed)
+    texts: list[str] = []
+    while len(texts) < count:
+        kind = rng.choice(("prose", "prose", "list", "code", "heading"))
+        if kind == "prose":
+            texts += [" " + rng.choice(PROSE) for _ in range(rng.randint(8, 40))] + [".\n\n"]
+        elif kind == "list":
+            texts += ["- item", " " + rng.choice(PROSE), "\n"] * rng.randint(2, 5) + ["\n"]
+        elif kind == "code":
+            texts += ["```", "python\n", *CODE * rng.randint(1, 4), "```\n\n"]
+        else:
+            texts += ["## ", "Section", "\n"]
+    return [StoredToken(text, rng.choice(SOURCES), i // 3, 0.5, 0.25) for i, text in enumerate(texts[:count])]
+
+
+def answer(count: int, seed: int = 0) -> StoredMessage:
+    tokens = answer_tokens(count, seed)
+    return StoredMessage("assistant", "".join(t.text for t in tokens), tokens=tokens, footer="Draft: test")
+
+
+class Heartbeat:
+    """Beats every few ms on the UI thread; records each gap's wall and UI-thread CPU time."""
+
+    def __init__(self, interval_ms: int = 5) -> None:
+        self.wall: list[float] = []
+        self.cpu: list[float] = []
+        self._clock = QElapsedTimer()
+        self._timer = QTimer()
+        self._timer.setTimerType(Qt.TimerType.PreciseTimer)
+        self._timer.setInterval(interval_ms)
+        self._timer.timeout.connect(self._beat)
+
+    def __enter__(self) -> Heartbeat:
+        gc.collect()
+        gc.freeze()
+        self._last = (0.0, time.thread_time())
+        self._clock.start()
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._timer.stop()
+        gc.unfreeze()
+
+    def _beat(self) -> None:
+        now = (self._clock.nsecsElapsed() / 1e6, time.thread_time())
+        self.wall.append(now[0] - self._last[0])
+        self.cpu.append((now[1] - self._last[1]) * 1000)
+        self._last = now
+
+    def assert_responsive(self, what: str) -> None:
+        assert len(self.cpu) >= 3, f"{what}: too short to measure ({len(self.cpu)} beats)"
+        worst = max(range(len(self.cpu)), key=self.cpu.__getitem__)
+        assert self.cpu[worst] < MAX_UI_GAP_MS, (
+            f"{what}: the UI thread worked {self.cpu[worst]:.0f} ms without a break "
+            f"(wall gap {self.wall[worst]:.0f} ms; longest wall gap {max(self.wall):.0f} ms)"
+        )
+
+
+@pytest.fixture(scope="module", autouse=True)
+def lexers_loaded():
+    # The app loads the common lexers in the background at start (see highlight.warm_up).
+    highlight.warm_up().join()
+
+
+@pytest.fixture
+def view(qtbot):
+    widget = TokenView()
+    qtbot.addWidget(widget)
+    widget.resize(900, 700)
+    widget.show()
+    return widget
+
+
+def _rendered(qtbot, view: TokenView, action) -> None:
+    """Run `action` from the event loop and wait until the transcript has caught up."""
+    with qtbot.waitSignal(view.renderingFinished, timeout=RENDER_TIMEOUT_MS):
+        QTimer.singleShot(20, action)
+
+
+def test_finishing_a_2000_token_answer_keeps_what_streamed_and_never_holds_the_ui_thread(qtbot, view):
+    message = answer(2000)
+    view.render_messages([StoredMessage("user", "explain")])
+    document = view.document()
+    fed = [0]
+
+    def stream() -> None:  # the worker's pace: a batch of tokens every few ms, then the end
+        fed[0] = min(len(message.tokens), fed[0] + 40)
+        view.update_live(message.tokens[: fed[0]])
+        if fed[0] == len(message.tokens):
+            feeder.stop()
+            view.finish_live(message)
+
+    feeder = QTimer(interval=8)
+    feeder.timeout.connect(stream)
+    with Heartbeat() as beat:
+        view.begin_live("Assistant")
+        feeder.start()
+        qtbot.waitUntil(
+            lambda: view.message_count() == 2 and not view.is_rendering(), timeout=RENDER_TIMEOUT_MS
+        )
+    beat.assert_responsive("streaming and finishing a 2,000-token answer")
+    assert view.document() is document  # finished in place: nothing was rendered again
+    assert view.toPlainText().count("Regenerate") == 1 and "Draft: test" in view.toPlainText()
+
+    streamed = (view.toPlainText(), view.rendered_sources())
+    view.render_messages([StoredMessage("user", "explain"), message])
+    qtbot.waitUntil(lambda: not view.is_rendering(), timeout=RENDER_TIMEOUT_MS)
+    assert (view.toPlainText(), view.rendered_sources()) == streamed  # drawn live == drawn whole
+
+
+def test_a_20000_token_conversation_opens_and_switches_theme_without_holding_the_ui_thread(qtbot, view):
+    messages: list[StoredMessage] = []
+    for seed in range(10):
+        messages += [StoredMessage("user", f"question {seed}"), answer(2000, seed)]
+    assert sum(len(m.tokens) for m in messages) == 20_000
+
+    with Heartbeat() as opening:
+        _rendered(qtbot, view, lambda: view.render_messages(messages))
+    opening.assert_responsive("opening a 20,000-token conversation")
+    assert view.message_count() == 20 and view.toPlainText().count("Regenerate") == 10
+
+    with Heartbeat() as switching:
+        _rendered(qtbot, view, lambda: view.set_tints(DARK_TINTS))
+    switching.assert_responsive("switching the theme of a 20,000-token conversation")
+    dark = {DARK_TINTS.accepted.name(), DARK_TINTS.corrected.name(), DARK_TINTS.bonus.name()}
+    # Untinted target tokens in inline code keep the code background.
+    assert dark <= view.tinted_backgrounds() <= dark | {DARK_TINTS.code_background.name()}
+
+
+@pytest.mark.parametrize("tints", [LIGHT_TINTS, DARK_TINTS], ids=["light", "dark"])
+def test_code_tokens_keep_their_provenance_tint_and_get_syntax_colours(qtbot, view, tints):
+    texts = ["Here:\n", "```python\n", "def", " f", "():\n", "    return", " 1\n", "```"]
+    tokens = [StoredToken(text, "accepted", 1) for text in texts]
+    view.set_tints(tints)
+    view.render_messages([StoredMessage("assistant", "".join(texts), tokens=tokens)])
+    keyword = Highlighter(tints.theme).spans("python", "def f():")[0]
+    fragments = {
+        f.text(): f.charFormat() for f in view.fragments() if f.charFormat().hasProperty(TOKEN_SOURCE)
+    }
+    fmt = fragments["def"]
+    assert fmt.background().color() == tints.accepted  # provenance: the background
+    assert fmt.foreground().color() == QColor(keyword[2])  # syntax: the text colour
+    assert fragments["Here:"].foreground().style() == Qt.BrushStyle.NoBrush  # prose is not coloured
+
+
+@pytest.mark.parametrize("provenance", [True, False], ids=["provenance", "plain"])
+def test_an_answer_drawn_while_streaming_equals_the_answer_drawn_whole(qtbot, view, provenance):
+    message = answer(300, seed=5)
+    view.set_provenance(provenance)
+    for batch in (1, 7):
+        view.render_messages([])
+        view.begin_live("Assistant")
+        for end in range(0, len(message.tokens) + batch, batch):
+            view.update_live(message.tokens[:end])
+            view._redraw_live()  # what the refresh timer does
+        view.finish_live(message)
+        qtbot.waitUntil(lambda: not view.is_rendering(), timeout=RENDER_TIMEOUT_MS)
+        streamed = (view.toPlainText(), view.rendered_sources())
+        view.render_messages([message])
+        qtbot.waitUntil(lambda: not view.is_rendering(), timeout=RENDER_TIMEOUT_MS)
+        assert (view.toPlainText(), view.rendered_sources()) == streamed, f"batches of {batch}"
