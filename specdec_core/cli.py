@@ -185,6 +185,7 @@ def _report(
         doc["stats"] = stats.as_dict()
         # The self-check's label travels with every result ("unchecked" when it did not run).
         doc["stats"].setdefault("exactness", info.exactness.label if info.exactness else "unchecked")
+        doc["stats"].setdefault("max_logit_diff", info.exactness.max_logit_diff if info.exactness else None)
         doc["target"] = {"ref": args.target, "device": info.device, "precision": info.precision}
         json.dump(doc, sys.stdout, ensure_ascii=False)
     sys.stdout.write("\n")

@@ -29,7 +29,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -50,9 +50,7 @@ from .events import DoneEvent, Event
 from .loading import LoadedModel, load_model
 from .pair import DraftSpec, LoadedPair, load_draft, make_engine
 from .progress import Progress, ProgressCallback, check_cancelled
-
-if TYPE_CHECKING:
-    from .selfcheck import ExactnessReport
+from .selfcheck import ExactnessReport, check_exactness
 
 log = logging.getLogger(__name__)
 
@@ -292,15 +290,11 @@ class ChatSession:
 
     def _check_exactness(
         self, engine: SpeculativeEngine, progress: ProgressCallback | None
-    ) -> ExactnessReport | None:
-        try:
-            from .selfcheck import check_exactness
-        except ImportError:  # the self-check is not part of this build yet
-            return None
+    ) -> ExactnessReport:
         if progress:
             progress(Progress("Checking exactness (verify vs plain steps)", 0, 0))
         report = check_exactness(engine)
-        engine.exactness = report  # type: ignore[attr-defined]  # read into the stats
+        engine.exactness = report  # the engine's stats carry its label
         return report
 
     def _describe(self, draft: DraftSpec, warning: str, exactness: ExactnessReport | None) -> SessionInfo:

@@ -73,6 +73,8 @@ def test_info_says_what_was_loaded(loaded, tiny_folder, sibling_folder):
     assert (info.target, info.draft, info.warning) == (str(tiny_folder), str(sibling_folder), "")
     assert info.description == "cpu · fp32" and (info.device, info.precision) == ("cpu", "fp32")
     assert info.context_length == 1024
+    assert info.exactness is not None and loaded.engine.exactness is info.exactness
+    assert info.exactness.label in ("bitwise", "near-ties may differ")
 
 
 def test_a_draft_that_does_not_fit_falls_back_to_ngram_loading_the_target_once(
