@@ -15,6 +15,7 @@ import psutil
 import torch
 
 from .bench import BenchReport, CostCurve, GroupSummary, LoadRun, Result, StepBytes, TargetCheck
+from .bench.results import reference_of
 
 
 def machine_info() -> dict[str, Any]:
@@ -166,7 +167,7 @@ def _summary_table(summary: dict[str, dict[str, GroupSummary]]) -> list[str]:
                 _x(s.geomean_speedup_vs_hf_assisted),
                 _x(s.geomean_speedup_vs_llama_server),
                 f"{s.worst_prompt} ({_x(s.worst_speedup_vs_target)})",
-                _pct(s.identity_rate),
+                "–" if reference_of(method) == method else _pct(s.identity_rate),  # its own reference
                 _pct(s.mean_acceptance_rate),
                 "–" if s.geomean_efficiency is None else f"{s.geomean_efficiency:.2f}",
             ]
