@@ -135,6 +135,9 @@ def test_json_has_the_promised_schema(report: dict) -> None:
             e = r["engine"]
             assert 0.0 <= e["acceptance_rate"] <= 1.0
             assert e["theoretical_speedup"] > 0 and "k_histogram" in e
+    label = report["config"]["exactness"]["label"]  # the self-check ran once for the pair
+    assert label in ("bitwise", "near-ties may differ")
+    assert all(r["engine"]["exactness"] == label for r in report["results"] if r["engine"])
     summary = report["summary"]["methods"]
     assert set(summary) == set(METHODS)
     assert set(summary["ours-draft"]) == {"all", "code-write", "multi-turn"}

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..engine import SpeculativeEngine
+from ..selfcheck import check_exactness as selfcheck
 from .methods import EngineMethod, Method, Run
 from .prompts import BenchPrompt, encode_prompt
 from .results import Result, prompt_results
@@ -37,24 +37,15 @@ def check_exactness(methods: dict[str, Method]) -> dict[str, object] | None:
     """Run the exactness self-check once for the loaded pair; every engine gets the report.
 
     The check compares a k-token verify with k plain steps of the target, so one run
-    covers all our methods (they share the target model). None when there is no engine
-    among the methods or this build has no self-check.
+    covers all our methods (they share the target model). None when no engine runs.
     """
     engines = [m.engine for m in methods.values() if isinstance(m, EngineMethod)]
     if not engines:
         return None
-    try:
-        from ..selfcheck import check_exactness as selfcheck
-    except ImportError:  # the self-check module arrives separately; until then: "unchecked"
-        return None
     report = selfcheck(engines[0])
     for engine in engines:
-        _set_exactness(engine, report)
-    return dict(report.as_dict())
-
-
-def _set_exactness(engine: SpeculativeEngine, report: Any) -> None:
-    engine.exactness = report
+        engine.exactness = report
+    return report.as_dict()
 
 
 def run_bench(
