@@ -14,6 +14,7 @@ from PySide6.QtGui import QGuiApplication
 
 from specdec_core.chat import Message
 
+from .conversation_library import ConversationLibrary
 from .conversation_sidebar import ConversationSidebar
 from .conversations import (
     Conversation,
@@ -38,6 +39,7 @@ class ChatController(QObject):
     generatingChanged = Signal(bool)
     errorRaised = Signal(str)
     statusChanged = Signal(str, int)  # message, timeout in ms (0: until replaced)
+    conversationOpened = Signal(str)  # conversation id, shown in the transcript (rendering in slices)
 
     def __init__(
         self,
@@ -49,7 +51,11 @@ class ChatController(QObject):
     ) -> None:
         super().__init__(parent)
         self.settings = settings
-        self.store = store
+        self.library = ConversationLibrary(store, self)
+        self.library.listed.connect(self.refresh_list)
+        self.library.loaded.connect(self._on_loaded)
+        self.library.failed.connect(self.errorRaised)
+        self._opening: int | None = None  # the load request whose conversation to show
         self.models = models
         self.view, self.prompt_box, self.edit_banner, self.sidebar, self.side = parts
         self.conversation = Conversation.new(settings.system_prompt)
@@ -253,6 +259,7 @@ class ChatController(QObject):
         if self._busy():
             return
         self.cancel_edit()
+        self._opening = None
         self.conversation = Conversation.new(self.settings.system_prompt)
         self.view.render_messages([])
         self.side.gauges.reset()
@@ -261,21 +268,28 @@ class ChatController(QObject):
         self.prompt_box.edit.setFocus()
 
     def open_conversation(self, conversation_id: str) -> None:
+        """Read it in the background; `conversationOpened` says when it is shown."""
         if self._busy():
             self.refresh_list()
             return
-        try:
-            self.conversation = self.store.load(conversation_id)
-        except ConversationError as exc:
-            self.errorRaised.emit(f"cannot open that conversation: {exc}")
-            return
+        self._opening = self.library.load(conversation_id)
+
+    def _on_loaded(self, conversation: Conversation, request: int) -> None:
+        if request != self._opening or self._generation is not None:
+            return  # superseded by a later choice, or the user started a new answer meanwhile
+        self._opening = None
+        self._show(conversation)
+
+    def _show(self, conversation: Conversation) -> None:
+        self.conversation = conversation
         self.cancel_edit()
-        self.settings.last_conversation = conversation_id
-        self.view.render_messages(self.conversation.messages)
-        footers = [m.footer for m in self.conversation.messages if m.footer]
+        self.settings.last_conversation = conversation.id
+        self.view.render_messages(conversation.messages)
+        footers = [m.footer for m in conversation.messages if m.footer]
         self.side.gauges.reset()
         self.side.gauges.footer.setText(footers[-1] if footers else "")
         self.refresh_list()
+        self.conversationOpened.emit(conversation.id)
 
     def _on_conversation_clicked(self, conversation_id: str) -> None:
         if conversation_id != self.conversation.id:
@@ -290,34 +304,35 @@ class ChatController(QObject):
             if self.conversation.messages:
                 self._save()
             return
-        try:
-            conversation = self.store.load(conversation_id)
-        except ConversationError as exc:
-            self.errorRaised.emit(f"cannot rename that conversation: {exc}")
-        else:
-            conversation.title = title
-            self.store.save(conversation)
-        self.refresh_list()
+        self.library.rename(conversation_id, title)
 
     def delete_conversation(self, conversation_id: str) -> None:
-        self.store.delete(conversation_id)
+        self.library.delete(conversation_id)
         if conversation_id == self.conversation.id:
             self.new_chat()
-        self.refresh_list()
 
     def reopen_last_conversation(self) -> None:
+        """At start, before the window shows: list the folder and reopen the last chat."""
+        self.library.scan()
         last = self.settings.last_conversation
-        if last and self.store.exists(last):
-            self.open_conversation(last)
+        if not last or not self.library.exists(last):
+            return
+        try:
+            self._show(self.library.store.load(last))
+        except ConversationError as exc:
+            self.errorRaised.emit(f"cannot open that conversation: {exc}")
 
     def _save(self) -> None:
-        self.store.save(self.conversation)
+        self.library.save(self.conversation)  # lists it at once, writes it in the background
         self.settings.last_conversation = self.conversation.id
-        self.refresh_list()
 
     def refresh_list(self) -> None:
-        listing = self.store.scan()
-        self.sidebar.show_conversations(listing.conversations, self.conversation.id, listing.unreadable)
+        library = self.library
+        self.sidebar.show_conversations(library.summaries(), self.conversation.id, library.unreadable())
+
+    def shutdown(self) -> None:
+        """Closing: write what is still being saved."""
+        self.library.close()
 
     # -- controls ---------------------------------------------------------------------------
     def update_controls(self) -> None:

@@ -23,7 +23,8 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from .conversations import Conversation, Unreadable
+from .conversation_library import ConversationSummary
+from .conversations import Unreadable
 
 ID_ROLE = Qt.ItemDataRole.UserRole
 UNREADABLE_ROLE = Qt.ItemDataRole.UserRole + 1  # the reason, on unreadable files' items
@@ -57,7 +58,10 @@ class ConversationSidebar(QWidget):
         self.setMinimumWidth(170)
 
     def show_conversations(
-        self, conversations: Sequence[Conversation], current_id: str, unreadable: Sequence[Unreadable] = ()
+        self,
+        conversations: Sequence[ConversationSummary],
+        current_id: str,
+        unreadable: Sequence[Unreadable] = (),
     ) -> None:
         """List `conversations` (newest first), select the open one, then the unreadable files."""
         widget = self.list
@@ -66,7 +70,7 @@ class ConversationSidebar(QWidget):
         for conversation in conversations:
             item = QListWidgetItem(conversation.title)
             item.setData(ID_ROLE, conversation.id)
-            item.setToolTip(f"{len(conversation.messages)} messages")
+            item.setToolTip(f"{conversation.message_count} messages")
             item.setFlags(item.flags() | Qt.ItemFlag.ItemIsEditable)
             widget.addItem(item)
             if conversation.id == current_id:

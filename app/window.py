@@ -73,6 +73,7 @@ class MainWindow(QMainWindow):
     answerProgressed = Signal(int)  # tokens of the streaming answer received so far
     answerFinished = Signal(object)  # StoredMessage
     errorShown = Signal(str)
+    conversationOpened = Signal(str)  # conversation id
 
     def __init__(self, options: ChatOptions, settings: AppSettings | None = None) -> None:
         super().__init__()
@@ -219,6 +220,7 @@ class MainWindow(QMainWindow):
         models.statusChanged.connect(self.statusBar().showMessage)
         chat.answerProgressed.connect(self.answerProgressed)
         chat.answerFinished.connect(self.answerFinished)
+        chat.conversationOpened.connect(self.conversationOpened)
         chat.errorRaised.connect(self.show_error)
         chat.statusChanged.connect(self.statusBar().showMessage)
         chat.generatingChanged.connect(self._on_generating_changed)
@@ -344,3 +346,4 @@ class MainWindow(QMainWindow):
         self.worker.cancel_everything()
         self.engine_thread.quit()
         self.engine_thread.wait()
+        self.chat.shutdown()

@@ -23,8 +23,9 @@ from PySide6.QtCore import QElapsedTimer, Qt, QTimer
 from PySide6.QtGui import QColor
 
 from app import highlight
-from app.conversations import StoredMessage, StoredToken
+from app.conversations import Conversation, ConversationStore, StoredMessage, StoredToken
 from app.highlight import Highlighter
+from app.main import build_main_window
 from app.theme import DARK_TINTS, LIGHT_TINTS
 from app.token_view import TOKEN_SOURCE, TokenView
 
@@ -213,3 +214,32 @@ def test_an_answer_drawn_while_streaming_equals_the_answer_drawn_whole(qtbot, vi
         view.render_messages([message])
         qtbot.waitUntil(lambda: not view.is_rendering(), timeout=RENDER_TIMEOUT_MS)
         assert (view.toPlainText(), view.rendered_sources()) == streamed, f"batches of {batch}"
+
+
+def test_the_window_opens_and_saves_a_20000_token_conversation_without_holding_the_ui_thread(
+    qtbot, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("SPECDEC_DATA_DIR", str(tmp_path / "data"))
+    long = Conversation.new()
+    for seed in range(10):
+        long.messages += [StoredMessage("user", f"question {seed}"), answer(2000, seed)]
+    ConversationStore().save(long)
+    # No model is needed to read conversations: the load fails and the window stays usable.
+    window = build_main_window(
+        ["--target", str(tmp_path / "no-model"), "--device", "cpu", "--theme", "light"]
+    )
+    qtbot.addWidget(window)
+    window.show()
+
+    with Heartbeat() as opening:
+        with qtbot.waitSignal(window.conversationOpened, timeout=RENDER_TIMEOUT_MS):
+            QTimer.singleShot(20, lambda: window.open_conversation(long.id))
+        qtbot.waitUntil(lambda: not window.view.is_rendering(), timeout=RENDER_TIMEOUT_MS)
+    opening.assert_responsive("opening a 20,000-token conversation in the window")
+    assert window.conversation.id == long.id and window.view.message_count() == 20
+
+    with Heartbeat() as saving, qtbot.waitSignal(window.chat.library.saved, timeout=RENDER_TIMEOUT_MS):
+        QTimer.singleShot(20, lambda: window.rename_conversation(long.id, "Long one"))
+    saving.assert_responsive("saving a 20,000-token conversation")
+    assert window.conversation_list.item(0).text() == "Long one"
+    assert ConversationStore().load(long.id).title == "Long one"

@@ -344,8 +344,10 @@ def test_a_shared_file_naming_a_path_outside_cannot_make_delete_leave_the_folder
     (folder / "shared.json").write_text(json.dumps(shared), encoding="utf-8")
     window = open_window("--target", models["target"], "--draft", "ngram")
     assert window.conversation_list.item(0).text() == "Shared"
-    window.open_conversation("shared")
+    with qtbot.waitSignal(window.conversationOpened, timeout=LOAD_TIMEOUT_MS):
+        window.open_conversation("shared")  # read in the background
     assert window.conversation.id == "shared"
     window.delete_conversation(window.conversation.id)
+    window.chat.library.wait()  # files are written and deleted in the background
     assert victim.read_text(encoding="utf-8") == "precious" and not (folder / "shared.json").exists()
     assert window.conversation_list.count() == 0
