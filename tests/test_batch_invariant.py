@@ -1,4 +1,4 @@
-"""With int8 linears and row-wise attention a token's logits do not depend on batching."""
+"""A token's logits do not depend on how tokens are grouped, at every CPU precision."""
 
 from __future__ import annotations
 
@@ -7,52 +7,80 @@ import itertools
 
 import pytest
 import torch
+from archs import ARCHS, WINDOW, arch_model
 from tiny import hf_greedy, perturbed, tiny_model
-from transformers import DynamicCache
 
-from specdec_core.batch_invariant import make_batch_invariant
+from specdec_core.batch_invariant import NAME, make_batch_invariant, rowwise_refusal
 from specdec_core.drafters import ModelDrafter
 from specdec_core.engine import GenerationParams, SpeculativeEngine
+from specdec_core.kvcache import new_cache
 from specdec_core.quant_cpu import int8_available, quantize_linears_int8
 
-pytestmark = pytest.mark.skipif(not int8_available(), reason="this torch build has no fbgemm int8 kernels")
+PRECISIONS = ["fp32", "bf16", *(["int8"] if int8_available() else [])]
 
 
-def exact_int8(model):
+def invariant(model, precision: str):
+    """A batch-invariant copy of an fp32 model at `precision`, as the loader makes it on CPU."""
     model = copy.deepcopy(model)
-    quantize_linears_int8(model)
-    assert make_batch_invariant(model)
+    if precision == "bf16":
+        model = model.to(torch.bfloat16)
+    if precision == "int8":
+        quantize_linears_int8(model)
+    assert make_batch_invariant(model) is None
     return model
 
 
 @torch.inference_mode()
 def logits_in_groups(model, ids: torch.Tensor, bounds: list[int]) -> torch.Tensor:
-    cache = DynamicCache(config=model.config)
+    cache = new_cache(model.config)
     parts = [model(ids[:, s:e], cache=cache).logits[0] for s, e in itertools.pairwise(bounds)]
     return torch.cat(parts)
 
 
-def test_logits_are_bitwise_equal_however_tokens_are_grouped(tokenizer):
-    model = exact_int8(tiny_model(len(tokenizer), seed=0, layers=3, hidden=128))
-    ids = torch.randint(0, len(tokenizer), (1, 48), generator=torch.Generator().manual_seed(0))
-    whole = logits_in_groups(model, ids, [0, 48])
-    assert torch.equal(whole, logits_in_groups(model, ids, [0, 20, 21, 26, 27, 48]))  # prefill + verifies
-    assert torch.equal(whole, logits_in_groups(model, ids, list(range(49))))  # one token at a time
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_logits_are_bitwise_equal_however_tokens_are_grouped(tokenizer, arch, precision):
+    model = invariant(arch_model(arch, len(tokenizer)), precision)
+    n = 3 * WINDOW  # past the window of the sliding families
+    ids = torch.randint(0, len(tokenizer), (1, n), generator=torch.Generator().manual_seed(0))
+    whole = logits_in_groups(model, ids, [0, n])
+    assert torch.equal(whole, logits_in_groups(model, ids, [0, 20, 21, 26, 27, n]))  # prefill + verifies
+    assert torch.equal(whole, logits_in_groups(model, ids, [0, *range(n - 6, n + 1)]))  # plain steps
 
 
-def test_sliding_window_models_keep_their_attention(tokenizer):
+@pytest.mark.parametrize("arch", ["mistral", "gemma2", "gemma3", "qwen2-swa"])
+def test_rowwise_attention_computes_the_models_own_attention(tokenizer, arch):
+    """Window (per layer type, or `sliding_window` alone), softcapping, scaling, grouped heads."""
+    native = arch_model(arch, len(tokenizer))
+    ids = torch.randint(0, len(tokenizer), (1, 3 * WINDOW), generator=torch.Generator().manual_seed(1))
+    expected = logits_in_groups(native, ids, [0, 3 * WINDOW])
+    model = invariant(native, "fp32")
+    assert model.config._attn_implementation == NAME
+    torch.testing.assert_close(logits_in_groups(model, ids, [0, 3 * WINDOW]), expected, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("extra", "reason"),
+    [
+        ({"layer_types": ["full_attention", "linear_attention"]}, "linear_attention layers"),
+        ({"attention_chunk_size": 8}, "chunked attention"),
+    ],
+)
+def test_attention_it_cannot_reproduce_is_refused_and_left_alone(tokenizer, extra, reason):
     model = tiny_model(len(tokenizer))
-    model.config.use_sliding_window = True
-    model.config.sliding_window = 16
-    model.config.layer_types = ["sliding_attention"] * model.config.num_hidden_layers
-    assert not make_batch_invariant(model)
+    for key, value in extra.items():
+        setattr(model.config, key, value)
+    assert reason in rowwise_refusal(model.config)
+    assert make_batch_invariant(model) == rowwise_refusal(model.config)
+    assert model.config._attn_implementation != NAME
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.skipif(not int8_available(), reason="this torch build has no fbgemm int8 kernels")
+@pytest.mark.parametrize("seed", [0, 1])
 def test_int8_speculation_reproduces_int8_greedy_on_wider_models(tokenizer, seed):
-    target = exact_int8(tiny_model(len(tokenizer), seed=seed, layers=3, hidden=128))
+    target = invariant(tiny_model(len(tokenizer), seed=seed, layers=3, hidden=128), "int8")
     draft = ModelDrafter(
-        exact_int8(perturbed(tiny_model(len(tokenizer), seed=seed, layers=3, hidden=128), 0.1)), "p"
+        invariant(perturbed(tiny_model(len(tokenizer), seed=seed, layers=3, hidden=128), 0.1), "int8"), "p"
     )
     engine = SpeculativeEngine(target, tokenizer, draft)
     prompt = tokenizer("for i in range(10):\n    print(i * i)\n")["input_ids"]
