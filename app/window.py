@@ -103,6 +103,7 @@ class MainWindow(QMainWindow):
         self.error_banner = ErrorBanner()
         self.load_panel = LoadPanel()
         self.view = TokenView()
+        self.view.set_provenance(self.settings.provenance)
         self.view.set_placeholder("Ask anything. Enter sends, Shift+Enter starts a new line.")
         self.legend = ProvenanceLegend()
         self.edit_banner = EditBanner()
@@ -303,8 +304,7 @@ class MainWindow(QMainWindow):
         app = QApplication.instance()
         resolved = theme.apply(app, self._theme_choice) if isinstance(app, QApplication) else "light"
         tints = theme.tints(resolved)
-        self.view.set_provenance(self.provenance_action.isChecked())
-        self.view.set_tints(tints)
+        self.view.set_tints(tints)  # redraws the transcript (in slices) in the new colours
         self.legend.set_tints(tints)
         self.legend.setVisible(self.provenance_action.isChecked())
 

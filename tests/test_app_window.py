@@ -351,3 +351,24 @@ def test_a_shared_file_naming_a_path_outside_cannot_make_delete_leave_the_folder
     window.chat.library.wait()  # files are written and deleted in the background
     assert victim.read_text(encoding="utf-8") == "precious" and not (folder / "shared.json").exists()
     assert window.conversation_list.count() == 0
+
+
+def test_regenerate_and_edit_and_resend_replace_what_followed(qtbot, open_window, models):
+    window = open_window("--target", models["chatty"], "--draft", "ngram")
+    window.side.generation.max_new_tokens.setValue(6)
+    first = _send(qtbot, window, "first question")
+    _send(qtbot, window, "second question")
+    with qtbot.waitSignal(window.answerFinished, timeout=ANSWER_TIMEOUT_MS):
+        window.regenerate_action.trigger()  # answers the last question again
+    assert [m.content for m in window.conversation.messages[:3]] == ["first question", first.content, "second question"]
+    assert len(window.conversation.messages) == 4
+
+    window.chat.start_edit(2)
+    assert window.prompt.toPlainText() == "second question" and window.edit_banner.isVisible()
+    answer = _send(qtbot, window, "edited question")
+    assert [m.content for m in window.conversation.messages] == [
+        "first question", first.content, "edited question", answer.content
+    ]
+    assert not window.edit_banner.isVisible()
+    assert window.view.message_count() == 4 and "edited question" in window.view.toPlainText()
+    assert "second question" not in window.view.toPlainText()
