@@ -11,9 +11,13 @@ Nothing is assumed: t_verify(m) is timed for every target forward of m tokens
 every draft forward, and a_i from the verdicts. Timings are the median of the last
 few: on a shared machine one forward now and then stalls for 5-20x its cost (an
 OpenMP thread descheduled; measured in docs/performance.md), and an average would
-carry such a spike into many steps, or forever for a size the controller then avoids. When k = 0 wins, speculation is
-off until a periodic probe re-measures acceptance, so a prompt the draft cannot
-predict costs at most a probe every `probe_every` steps over the target alone.
+carry such a spike into many steps, or forever for a size the controller then avoids.
+
+When k = 0 wins, speculation is off until a probe re-measures acceptance, so a
+prompt the draft cannot predict costs at most a probe every `probe_every` steps
+over the target alone. Plain steps also age the acceptance evidence, and a probe
+that was fully accepted calls the next one at once, so a draft that turns good
+again after a bad stretch is back within about `probe_every` plain steps.
 """
 
 from __future__ import annotations
@@ -98,11 +102,15 @@ class AcceptanceEstimate:
         self.hits = [0.0] * max_k
         self.trials = [0.0] * max_k
 
+    def age(self) -> None:
+        """One step of forgetting without new evidence (a plain step): the prior regains weight."""
+        self.hits = [h * self.decay for h in self.hits]
+        self.trials = [t * self.decay for t in self.trials]
+
     def observe(self, proposed: int, accepted: int) -> None:
         if proposed <= 0:
             return
-        self.hits = [h * self.decay for h in self.hits]
-        self.trials = [t * self.decay for t in self.trials]
+        self.age()
         # Positions 1..accepted were accepted; position accepted+1 (if proposed) was rejected.
         for i in range(min(proposed, accepted + 1, len(self.trials))):
             self.trials[i] += 1.0
@@ -115,14 +123,82 @@ class AcceptanceEstimate:
         pooled_trials = sum(self.trials)
         # Shrink each position toward the pooled rate, the pooled rate toward the prior.
         pooled = (pooled_hits + self.prior * self.prior_weight) / (pooled_trials + self.prior_weight)
+        if i >= len(self.trials):
+            return pooled
         return (self.hits[i] + pooled * self.prior_weight) / (self.trials[i] + self.prior_weight)
 
+    def survival(self, k: int) -> float:
+        """P(the first k draft tokens are all accepted)."""
+        p = 1.0
+        for i in range(k):
+            p *= self.rate(i)
+        return p
+
     def expected_tokens(self, k: int) -> float:
+        """E[tokens committed by a verify of k drafts] = 1 + sum_j P(first j accepted)."""
         total, survive = 1.0, 1.0
         for i in range(k):
             survive *= self.rate(i)
             total += survive
         return total
+
+
+class ConfidenceCalibration:
+    """P(a draft token is accepted | the draft's top probability), learned per bin.
+
+    Starts from the identity (a draft whose distribution matches the target's has its
+    top token accepted with about that probability) and follows the verdicts, so an
+    over- or under-confident draft is read as it behaves.
+    """
+
+    BINS = 10
+
+    def __init__(self, prior_weight: float = 4.0, decay: float = 0.995) -> None:
+        self.prior_weight = prior_weight
+        self.decay = decay
+        self.hits = [0.0] * self.BINS
+        self.trials = [0.0] * self.BINS
+
+    def _bin(self, confidence: float) -> int:
+        return min(self.BINS - 1, max(0, int(confidence * self.BINS)))
+
+    def observe(self, confidence: float, accepted: bool) -> None:
+        b = self._bin(confidence)
+        self.hits[b] = self.hits[b] * self.decay + accepted
+        self.trials[b] = self.trials[b] * self.decay + 1.0
+
+    def accept_chance(self, confidence: float) -> float:
+        b = self._bin(confidence)
+        center = (b + 0.5) / self.BINS
+        return (self.hits[b] + center * self.prior_weight) / (self.trials[b] + self.prior_weight)
+
+
+class Prober:
+    """When speculation looks unprofitable, still try a draft now and then.
+
+    A probe comes after `every` plain steps; a probe whose every token was accepted
+    calls the next one after a single plain step, so a draft that pays again is
+    re-measured at once instead of `every` steps at a time.
+    """
+
+    def __init__(self, every: int = 16) -> None:
+        self.every = every
+        self._due = every
+        self._streak = 0
+
+    def plain_step(self) -> bool:
+        """Count one step that would be plain; True when it should be a probe instead."""
+        self._streak += 1
+        if self._streak >= self._due:
+            self._streak = 0
+            return True
+        return False
+
+    def drafted(self) -> None:
+        self._streak = 0
+
+    def probe_result(self, proposed: int, accepted: int) -> None:
+        self._due = 1 if proposed > 0 and accepted == proposed else self.every
 
 
 class DraftLengthController:
@@ -137,34 +213,60 @@ class DraftLengthController:
         self.pinned = pinned
         self.costs = costs or CostModel()
         self.acceptance = AcceptanceEstimate(max_k)
-        self.probe_every = probe_every
-        self._plain_streak = 0
+        self.prober = Prober(probe_every)
+        self._probing = False
+
+    @property
+    def probe_every(self) -> int:
+        return self.prober.every
+
+    @probe_every.setter
+    def probe_every(self, value: int) -> None:
+        self.prober = Prober(value)
 
     def expected_rate(self, k: int, draft_cost: float) -> float | None:
-        """Expected tokens per second when drafting k tokens."""
+        """Expected tokens per second when drafting k tokens (k = 0: a plain step)."""
         t_verify = self.costs.verify_seconds(k + 1)
         if t_verify is None:
             return None
         return self.acceptance.expected_tokens(k) / (k * draft_cost + t_verify)
 
-    def choose_k(self, drafter_is_model: bool) -> int:
+    def best(self, limit: int, draft_cost: float) -> tuple[int, float]:
+        """The k in 1..limit with the highest expected rate, and that rate (0 if unmeasured)."""
+        rates = {k: self.expected_rate(k, draft_cost) or 0.0 for k in range(1, limit + 1)}
+        if not rates:
+            return 0, 0.0
+        k = max(rates, key=lambda n: rates[n])
+        return k, rates[k]
+
+    def choose_k(self, drafter_is_model: bool = True, limit: int | None = None) -> int:
+        """k for the next step (0 = plain), at most `limit` (default max_k).
+
+        A model-free drafter costs microseconds (it is timed too, but as a model it
+        would look free; its real cost is the longer verify, which is measured).
+        """
+        limit = self.max_k if limit is None else min(limit, self.max_k)
+        self._probing = False
         if self.pinned is not None:
-            return self.pinned
-        # A model-free drafter costs microseconds (it is timed too, but as a model it
-        # would look free; its real cost is the longer verify, which is measured).
+            return min(self.pinned, limit) if limit >= 0 else 0
+        if limit <= 0:
+            return 0
         draft_cost = (self.costs.draft_token or 0.0) if drafter_is_model else 0.0
-        rates = [self.expected_rate(k, draft_cost) for k in range(self.max_k + 1)]
-        if rates[0] is None:
-            return min(4, self.max_k)  # nothing measured yet: start with a moderate draft
-        best = max(range(self.max_k + 1), key=lambda k: rates[k] or 0.0)
-        if best > 0:
-            self._plain_streak = 0
-            return best
-        self._plain_streak += 1
-        if self._plain_streak >= self.probe_every:
-            self._plain_streak = 0
-            return 1 + max(range(self.max_k), key=lambda k: rates[k + 1] or 0.0)
+        plain = self.expected_rate(0, draft_cost)
+        if plain is None:
+            return min(4, limit)  # nothing measured yet: start with a moderate draft
+        k, rate = self.best(limit, draft_cost)
+        if rate > plain:
+            self.prober.drafted()
+            return k
+        if self.prober.plain_step():
+            self._probing = True
+            return k
+        self.acceptance.age()
         return 0
 
     def observe(self, proposed: int, accepted: int) -> None:
         self.acceptance.observe(proposed, accepted)
+        if self._probing:
+            self.prober.probe_result(proposed, accepted)
+            self._probing = False

@@ -1,14 +1,19 @@
-"""Drafters: whatever proposes the next k tokens for the target to verify.
+"""Draft strategies: whatever proposes the next tokens for the target to verify.
 
-One small interface (after transformers' candidate generators):
-- `propose(tokens, k, sampling, generator) -> Draft`: up to k tokens continuing `tokens`;
-- `sync(tokens)`: the committed tokens after a verify; drop any state past them.
+One small interface (after transformers' candidate generators), `DraftStrategy`:
+- `start(plan)`: a generation begins (its max/pinned k and the engine's measured costs);
+- `draft(tokens, budget, sampling, generator) -> Draft`: the strategy's own
+  controller(s) choose how many tokens (0 = a plain target step) and which source;
+- `observe(draft, accepted, committed, greedy)`: the verdict, for its controllers;
+- `sync(tokens)`: the committed tokens after a verify; drop any state past them;
+- `runners()`: the draft models it runs, so calibration can time them;
+- `seconds_per_token()`: what drafting one token costs it, as measured.
 
 `NoDrafter` proposes nothing (speculation off, measured through the same engine),
 `NgramDrafter` looks the recent suffix up in the text so far (prompt lookup),
 `ModelDrafter` runs a small LM with its own KV cache,
-`LookupThenModelDrafter` tries prompt lookup first (free) and the model otherwise;
-the engine gives each of its two sources its own draft-length controller.
+`LookupThenModelDrafter` (policy.py) picks per step between the two, by expected
+tokens per second. The engine never looks inside a strategy.
 """
 
 from __future__ import annotations
@@ -16,56 +21,105 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import Enum
 from typing import Protocol
 
 import torch
 
+from .adaptive import ConfidenceCalibration, CostModel, DraftLengthController
 from .kvcache import CachedModel
+from .policy import PLAIN, Choice, SourcePolicy
 from .sampling import SamplingParams, sample
+
+# Draft specs that need no model (the DraftSpec parser and the UI use these names).
+NGRAM = "ngram"
+NONE = "none"
+MODEL_FREE_DRAFTS = (NGRAM, NONE)
+
+
+class DraftSource(str, Enum):
+    NONE = "none"  # nothing drafted: a plain target step
+    LOOKUP = "lookup"  # copied from an earlier occurrence in the text
+    MODEL = "model"  # drafted by the draft model
+    LOOKUP_MODEL = "lookup+model"  # a lookup run extended by the draft model
 
 
 @dataclass(frozen=True)
 class Draft:
     tokens: list[int]
     # [len(tokens), V] distributions the tokens were drawn from (after the same
-    # processing as the target's), or None for a deterministic drafter.
+    # processing as the target's), or None for a deterministic drafter. Copied
+    # tokens in a mixed draft have one-hot rows (q = 1 for the copied token).
     probs: torch.Tensor | None
     seconds: float
     forwards: int = 0
+    source: DraftSource = DraftSource.NONE
+    requested: int = 0  # the k the strategy's controller asked for
+    copied: int = 0  # leading tokens that came from lookup (no draft probability)
 
 
 EMPTY_DRAFT = Draft(tokens=[], probs=None, seconds=0.0)
 
 
-class Drafter(Protocol):
-    name: str
-    is_model: bool  # True when proposing costs a model forward per token
+@dataclass(frozen=True)
+class DraftPlan:
+    """What a strategy needs to know for one generation."""
 
-    def propose(
-        self, tokens: Sequence[int], k: int, sampling: SamplingParams, generator: torch.Generator | None
+    costs: CostModel
+    max_k: int = 8
+    pinned: int | None = None  # a fixed k, or None to choose per step
+
+
+class DraftStrategy(Protocol):
+    name: str
+
+    def start(self, plan: DraftPlan) -> None: ...
+
+    def draft(
+        self, tokens: Sequence[int], budget: int, sampling: SamplingParams, generator: torch.Generator | None
     ) -> Draft: ...
+
+    def observe(self, draft: Draft, accepted: int, committed: Sequence[int], greedy: bool) -> None: ...
 
     def sync(self, tokens: Sequence[int]) -> None: ...
 
     def reset(self) -> None: ...
 
+    def runners(self) -> tuple[CachedModel, ...]: ...
+
+    def seconds_per_token(self) -> float: ...
+
+
+Drafter = DraftStrategy  # the name the rest of the code base has used
+
 
 class NoDrafter:
     """Speculation off: every step is a plain target step."""
 
-    name = "none"
-    is_model = False
+    name = NONE
 
-    def propose(
-        self, tokens: Sequence[int], k: int, sampling: SamplingParams, generator: torch.Generator | None
+    def start(self, plan: DraftPlan) -> None:
+        pass
+
+    def draft(
+        self, tokens: Sequence[int], budget: int, sampling: SamplingParams, generator: torch.Generator | None
     ) -> Draft:
         return EMPTY_DRAFT
+
+    def observe(self, draft: Draft, accepted: int, committed: Sequence[int], greedy: bool) -> None:
+        pass
 
     def sync(self, tokens: Sequence[int]) -> None:
         pass
 
     def reset(self) -> None:
         pass
+
+    def runners(self) -> tuple[CachedModel, ...]:
+        return ()
+
+    def seconds_per_token(self) -> float:
+        return 0.0
 
 
 class NgramDrafter:
@@ -74,13 +128,16 @@ class NgramDrafter:
     prompt (code edits, summaries, rewrites). Tries n = max_ngram down to min_ngram.
     """
 
-    name = "ngram"
-    is_model = False
+    name = NGRAM
 
     def __init__(self, max_ngram: int = 4, min_ngram: int = 1) -> None:
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
+        self.controller = DraftLengthController()
         self.reset()
+
+    def start(self, plan: DraftPlan) -> None:
+        self.controller = DraftLengthController(max_k=plan.max_k, pinned=plan.pinned, costs=plan.costs)
 
     def reset(self) -> None:
         self._tokens: list[int] = []
@@ -93,15 +150,31 @@ class NgramDrafter:
             self.reset()  # a different conversation: start over
         self._tokens.extend(tokens[len(self._tokens) :])
 
-    def propose(
-        self, tokens: Sequence[int], k: int, sampling: SamplingParams, generator: torch.Generator | None
-    ) -> Draft:
-        start = time.perf_counter()
-        self.sync(tokens)
-        found = self._lookup(k) if k > 0 else []
-        return Draft(tokens=found, probs=None, seconds=time.perf_counter() - start)
+    def runners(self) -> tuple[CachedModel, ...]:
+        return ()
 
-    def _lookup(self, k: int) -> list[int]:
+    def seconds_per_token(self) -> float:
+        return 0.0  # microseconds; its real cost is the longer verify, which is measured
+
+    def draft(
+        self, tokens: Sequence[int], budget: int, sampling: SamplingParams, generator: torch.Generator | None
+    ) -> Draft:
+        k = self.controller.choose_k(drafter_is_model=False, limit=budget)
+        if k <= 0:
+            return Draft(tokens=[], probs=None, seconds=0.0)
+        start = time.perf_counter()
+        found, _ = self.match(tokens, k)
+        source = DraftSource.LOOKUP if found else DraftSource.NONE
+        return Draft(found, None, time.perf_counter() - start, source=source, requested=k, copied=len(found))
+
+    def observe(self, draft: Draft, accepted: int, committed: Sequence[int], greedy: bool) -> None:
+        self.controller.observe(len(draft.tokens), accepted)
+
+    def match(self, tokens: Sequence[int], k: int) -> tuple[list[int], int]:
+        """Up to k tokens that followed the latest earlier match, and the match's length n."""
+        self.sync(tokens)
+        if k <= 0:
+            return [], 0
         # Index every n-gram that ends before the last token, so a match is always an
         # *earlier* occurrence whose continuation exists.
         toks = self._tokens
@@ -115,14 +188,18 @@ class NgramDrafter:
                 continue
             end = self._last_end.get(tuple(toks[-n:]))
             if end is not None:
-                return list(toks[end : end + k])
-        return []
+                return list(toks[end : end + k]), n
+        return [], 0
 
 
 class ModelDrafter:
-    """A small LM with its own KV cache, proposing k tokens one forward each."""
+    """A small LM with its own KV cache, proposing tokens one forward each.
 
-    is_model = True
+    Unless k is pinned, a draft stops early when the next token looks unlikely to
+    be accepted: its (calibrated) confidence times the chance of reaching it is
+    worth less than the draft forward and the longer verify it costs. The target
+    verifies every token, so this only changes speed, never the output.
+    """
 
     def __init__(self, model: torch.nn.Module, name: str = "draft", vocab_size: int | None = None) -> None:
         self.name = name
@@ -130,6 +207,16 @@ class ModelDrafter:
         # The target's vocabulary size: a draft with extra rows never proposes ids
         # the target cannot score, and its q is padded to the target's V.
         self.vocab_size = vocab_size
+        self.costs = CostModel()
+        self.controller = DraftLengthController()
+        self.calibration = ConfidenceCalibration()
+        self.early_stop = True
+        self._confidences: list[float] = []
+
+    def start(self, plan: DraftPlan) -> None:
+        self.costs = plan.costs
+        self.controller = DraftLengthController(max_k=plan.max_k, pinned=plan.pinned, costs=plan.costs)
+        self.early_stop = plan.pinned is None
 
     def reset(self) -> None:
         self.runner.reset()
@@ -137,11 +224,44 @@ class ModelDrafter:
     def sync(self, tokens: Sequence[int]) -> None:
         self.runner.sync(tokens)
 
-    def propose(
-        self, tokens: Sequence[int], k: int, sampling: SamplingParams, generator: torch.Generator | None
+    def runners(self) -> tuple[CachedModel, ...]:
+        return (self.runner,)
+
+    def seconds_per_token(self) -> float:
+        return self.costs.draft_token or 0.0
+
+    def draft(
+        self, tokens: Sequence[int], budget: int, sampling: SamplingParams, generator: torch.Generator | None
     ) -> Draft:
+        k = self.controller.choose_k(drafter_is_model=True, limit=budget)
+        return self.propose(tokens, k, sampling, generator)
+
+    def observe(self, draft: Draft, accepted: int, committed: Sequence[int], greedy: bool) -> None:
+        self.controller.observe(len(draft.tokens), accepted)
+        self.observe_model_tokens(draft, accepted)
+
+    def observe_model_tokens(self, draft: Draft, accepted: int) -> None:
+        """Feed the confidence calibration and the draft cost from a (possibly mixed) draft."""
+        for i, confidence in enumerate(self._confidences):
+            position = draft.copied + i
+            if position > accepted:
+                break  # never reached
+            self.calibration.observe(confidence, position < accepted)
+        self._confidences = []
+        self.costs.observe_draft(draft.forwards, draft.seconds)
+
+    def propose(
+        self,
+        tokens: Sequence[int],
+        k: int,
+        sampling: SamplingParams,
+        generator: torch.Generator | None,
+        reach: float = 1.0,
+    ) -> Draft:
+        """Up to k tokens continuing `tokens`; `reach` is the chance the first is even checked."""
+        self._confidences = []
         if k <= 0:
-            return EMPTY_DRAFT
+            return Draft(tokens=[], probs=None, seconds=0.0)
         start = time.perf_counter()
         forwards_before = self.runner.forwards
         # Keep at most all-but-the-last token: the first forward needs an input.
@@ -154,16 +274,34 @@ class ModelDrafter:
         for _ in range(k):
             logits = self._fit_vocab(self.runner.forward(pending, logits_to_keep=1)[-1])
             probs = sampling.probs(logits)
+            chance = self.calibration.accept_chance(float(probs.max()))
+            if drafted and self.early_stop and reach * chance < self._break_even(len(drafted)):
+                break
+            reach *= chance
             token = int(logits.argmax()) if sampling.greedy else sample(probs, generator)
             drafted.append(token)
             dists.append(probs)
+            self._confidences.append(float(probs.max()))
             pending = [token]
         return Draft(
             tokens=drafted,
             probs=torch.stack(dists),
             seconds=time.perf_counter() - start,
             forwards=self.runner.forwards - forwards_before,
+            source=DraftSource.MODEL,
+            requested=k,
         )
+
+    def _break_even(self, drafted: int) -> float:
+        """The acceptance chance below which one more draft token costs more than it brings:
+        a draft forward plus the verify's extra token, against one target step per token."""
+        t_step = self.costs.verify_seconds(1)
+        if not t_step:
+            return 0.0
+        extra_verify = (self.costs.verify_seconds(drafted + 2) or 0.0) - (
+            self.costs.verify_seconds(drafted + 1) or 0.0
+        )
+        return ((self.costs.draft_token or 0.0) + max(0.0, extra_verify)) / t_step
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         v = self.vocab_size
@@ -175,28 +313,38 @@ class ModelDrafter:
         return torch.cat([logits, pad])
 
 
+def one_hot_rows(tokens: Sequence[int], vocab_size: int) -> torch.Tensor:
+    """q for copied tokens: all mass on the copied token ([len(tokens), V])."""
+    rows = torch.zeros(len(tokens), vocab_size)
+    if tokens:
+        rows[torch.arange(len(tokens)), torch.tensor(list(tokens))] = 1.0
+    return rows
+
+
 class LookupThenModelDrafter:
-    """Prompt lookup when the text so far has a match, the draft model otherwise.
+    """Prompt lookup and a draft model, chosen per step by expected tokens per second.
 
     A lookup draft costs microseconds, a model draft one forward per token (on this
-    CPU half a target step, see docs/performance.md), so a copied span — an edited
-    function, a quoted passage, a repeated identifier — is drafted for free and the
-    model covers the rest. The engine asks `lookup()` first, with a k chosen by a
-    controller that knows lookup is free, and falls back to `propose()`.
-    Lookup needs a match of at least 2 tokens: a 1-token match is mostly chance and
-    would pre-empt the better model draft (measured, docs/performance.md).
+    CPU half a target step, see docs/performance.md). `policy.SourcePolicy` weighs
+    the match (its length, the tokens found), each source's measured acceptance and
+    cost, and drafts copies, model tokens, or a short copied run extended by the model.
+    Lookup needs a match of at least 2 tokens: a 1-token match is mostly chance.
     """
-
-    is_model = True
 
     def __init__(self, model: ModelDrafter, lookup: NgramDrafter | None = None) -> None:
         self.model = model
         self.lookup_drafter = lookup or NgramDrafter(max_ngram=4, min_ngram=2)
-        self.name = f"ngram+{model.name}"
+        self.name = f"{NGRAM}+{model.name}"
+        self.policy = SourcePolicy(CostModel())
+        self._step: tuple[Choice, int, list[int]] = (PLAIN, 0, [])
 
     @property
     def runner(self) -> CachedModel:
         return self.model.runner
+
+    def start(self, plan: DraftPlan) -> None:
+        self.model.start(plan)
+        self.policy = SourcePolicy(plan.costs, max_k=plan.max_k, pinned=plan.pinned)
 
     def reset(self) -> None:
         self.model.reset()
@@ -206,11 +354,43 @@ class LookupThenModelDrafter:
         self.model.sync(tokens)
         self.lookup_drafter.sync(tokens)
 
-    def lookup(self, tokens: Sequence[int], k: int) -> Draft:
-        """The free draft: up to k tokens copied from an earlier match, or none."""
-        return self.lookup_drafter.propose(tokens, k, SamplingParams(), None)
+    def runners(self) -> tuple[CachedModel, ...]:
+        return self.model.runners()
 
-    def propose(
-        self, tokens: Sequence[int], k: int, sampling: SamplingParams, generator: torch.Generator | None
+    def seconds_per_token(self) -> float:
+        return self.model.seconds_per_token()
+
+    def draft(
+        self, tokens: Sequence[int], budget: int, sampling: SamplingParams, generator: torch.Generator | None
     ) -> Draft:
-        return self.model.propose(tokens, k, sampling, generator)
+        start = time.perf_counter()
+        found, n = self.lookup_drafter.match(tokens, budget)
+        choice = self.policy.choose(budget, n, len(found), self.model.seconds_per_token())
+        self._step = (choice, n, found)
+        copied = found[: choice.lookup_tokens]
+        if not choice.model_tokens:
+            source = DraftSource.LOOKUP if copied else DraftSource.NONE
+            seconds = time.perf_counter() - start
+            return Draft(copied, None, seconds, source=source, requested=choice.total, copied=len(copied))
+        reach = self.policy.lookup_survival(n, len(copied))
+        extension = self.model.propose([*tokens, *copied], choice.model_tokens, sampling, generator, reach)
+        probs = extension.probs
+        if copied and probs is not None:
+            probs = torch.cat([one_hot_rows(copied, probs.shape[-1]).to(probs), probs])
+        return Draft(
+            tokens=copied + extension.tokens,
+            probs=probs,
+            seconds=time.perf_counter() - start,
+            forwards=extension.forwards,
+            source=DraftSource.LOOKUP_MODEL if copied else DraftSource.MODEL,
+            requested=choice.total,
+            copied=len(copied),
+        )
+
+    def observe(self, draft: Draft, accepted: int, committed: Sequence[int], greedy: bool) -> None:
+        choice, n, found = self._step
+        self.policy.observe(choice, n, len(draft.tokens) - draft.copied, accepted)
+        if draft.tokens and draft.copied < len(draft.tokens):
+            self.model.observe_model_tokens(draft, accepted)
+        if greedy and found and not choice.lookup_tokens:
+            self.policy.observe_unused_lookup(n, found, committed)

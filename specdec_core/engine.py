@@ -6,11 +6,13 @@ committed tokens are exactly the target's greedy decoding, for every drafter;
 with temperature > 0 they follow the target's processed distribution
 (see `acceptance`). One step, after the prompt's prefill:
 
-    k      = controller.choose_k()                 # 0 = plain target step
-    draft  = drafter.propose(tokens, k)            # d_1..d_k
+    draft  = strategy.draft(tokens, budget)        # d_1..d_k, k chosen by the strategy (0 = plain step)
     logits = target([last committed] + draft)      # [k+1, V], one forward
     n, t   = accept(draft, logits)                 # keep d_1..d_n, then target's t
-    commit d_1..d_n, t; crop both caches to the committed tokens
+    commit d_1..d_n, t; strategy.observe(n); crop both caches to the committed tokens
+
+The engine knows nothing of what a strategy is (lookup, a model, both): the
+strategy chooses its k and source, learns from the verdicts and says its cost.
 
 The target cache always holds every committed token but the last one, so the next
 forward starts from the last committed token; rejected positions are cropped.
@@ -20,22 +22,21 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import Counter
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .acceptance import Verdict, accept_greedy, accept_sampled
-from .adaptive import CostModel, DraftLengthController
+from .adaptive import CostModel
 from .detok import IncrementalDetokenizer
-from .drafters import EMPTY_DRAFT, Draft, Drafter, LookupThenModelDrafter, ModelDrafter, NoDrafter
+from .drafters import EMPTY_DRAFT, NONE, Draft, DraftPlan, DraftStrategy, NoDrafter
 from .events import DoneEvent, Event, PrefillEvent, Source, StepEvent, TokenEvent
 from .kvcache import CachedModel
 from .sampling import SamplingParams
 from .selfcheck import ExactnessReport
-from .stats import GenerationStats
+from .stats import GenerationStats, StatsAccumulator
 from .threads import default_governor
 
 
@@ -56,45 +57,17 @@ class GenerationParams:
         return SamplingParams(self.temperature, self.top_k, self.top_p)
 
 
-@dataclass
-class _Run:
-    """Mutable bookkeeping of one generate() call."""
-
-    prompt_len: int
-    max_draft_length: int
-    stop_reason: str = "max_tokens"  # | "eos" | "cancelled"
-    steps: int = 0
-    proposed: int = 0
-    accepted: int = 0
-    draft_seconds: float = 0.0
-    verify_seconds: float = 0.0
-    draft_forwards: int = 0
-    target_forwards: int = 0
-    decode_seconds: float = 0.0
-    prefill_seconds: float = 0.0
-    # Time the consumer held the generator between events (a UI rendering, a test
-    # pausing): not the engine's, so not in decode_seconds or the speedup.
-    paused_seconds: float = 0.0
-    k_histogram: Counter[int] = field(default_factory=Counter)  # drafted tokens per step
-    position_hits: list[int] = field(default_factory=list)  # per draft position: accepted
-    position_trials: list[int] = field(default_factory=list)  # per draft position: reached
-
-    def __post_init__(self) -> None:
-        self.position_hits = [0] * self.max_draft_length
-        self.position_trials = [0] * self.max_draft_length
-
-
 class SpeculativeEngine:
     def __init__(
         self,
         target: torch.nn.Module,
         tokenizer: Any,
-        drafter: Drafter | None = None,
+        drafter: DraftStrategy | None = None,
         stop_token_ids: Sequence[int] = (),
     ) -> None:
         self.target = CachedModel(target)
         self.tokenizer = tokenizer
-        self.drafter: Drafter = drafter or NoDrafter()
+        self.drafter: DraftStrategy = drafter or NoDrafter()
         self.stop_token_ids = frozenset(stop_token_ids)
         self.vocab_size = int(target.config.get_text_config().vocab_size)
         # Costs persist across messages: timings learned once keep paying off.
@@ -106,7 +79,7 @@ class SpeculativeEngine:
 
     # -- public ---------------------------------------------------------------
 
-    def set_drafter(self, drafter: Drafter) -> None:
+    def set_drafter(self, drafter: DraftStrategy) -> None:
         self.drafter = drafter
         self.costs.forget_draft()
 
@@ -119,17 +92,15 @@ class SpeculativeEngine:
         context = torch.randint(
             0, self.vocab_size, (32,), generator=torch.Generator().manual_seed(0)
         ).tolist()
-        runners = [self.target]
-        if isinstance(self.drafter, (ModelDrafter, LookupThenModelDrafter)):
-            runners.append(self.drafter.runner)
-        for runner in runners:  # the context is put through once; each timed forward is cropped off
+        drafts = self.drafter.runners()
+        for runner in (self.target, *drafts):  # the context goes through once; timed forwards are cropped
             runner.reset()
             runner.forward(context, logits_to_keep=1)
         for _ in range(repeats):  # interleaved, so a burst of machine load hits all sizes alike
             for m in sizes:
                 self.costs.observe_verify(m, _time_forward(self.target, context, m))
-            if len(runners) > 1:
-                self.costs.observe_draft(1, _time_forward(self.drafter.runner, context, 1))
+            for runner in drafts:
+                self.costs.observe_draft(1, _time_forward(runner, context, 1))
         self.target.reset()
         self.drafter.reset()
         return self.costs
@@ -148,49 +119,61 @@ class SpeculativeEngine:
         if not sampling.greedy:
             generator = torch.Generator()
             generator.manual_seed(params.seed if params.seed is not None else int(time.time_ns() % 2**63))
-        controller, lookup_controller = self._controllers(params)
+        self.drafter.start(
+            DraftPlan(costs=self.costs, max_k=params.max_draft_length, pinned=params.draft_length)
+        )
         tokens = list(prompt_ids)
-        run = _Run(prompt_len=len(tokens), max_draft_length=params.max_draft_length)
+        exactness = self.exactness
+        run = StatsAccumulator(
+            prompt_tokens=len(tokens),
+            max_draft_length=params.max_draft_length,
+            exactness=exactness.label if exactness is not None else "unchecked",
+            max_logit_diff=exactness.max_logit_diff if exactness is not None else None,
+        )
         yield self._prefill(tokens, run)
 
         detok = IncrementalDetokenizer(self.tokenizer)
         decode_start = time.perf_counter()
-        while len(tokens) - run.prompt_len < params.max_new_tokens:
+        while run.new_tokens < params.max_new_tokens:
             if cancel is not None and cancel.is_set():
                 run.stop_reason = "cancelled"
                 break
             default_governor().maybe_adjust()  # threads follow the machine's load (threads.py)
-            remaining = params.max_new_tokens - (len(tokens) - run.prompt_len)
-            k, draft, used = self._draft(tokens, controller, lookup_controller, remaining, params, generator)
+            remaining = params.max_new_tokens - run.new_tokens
+            draft = self._draft(tokens, remaining, params, generator)
             verdict, target_probs, verify_seconds = self._verify(tokens, draft, sampling, generator)
-            self._record_step(run, used, draft, verdict, verify_seconds)
+            step_tokens = self._committed(draft, verdict, target_probs)
+            self._learn(run, draft, verdict, verify_seconds, [t[0] for t in step_tokens], sampling)
 
             committed = 0
-            for token_id, source, t_prob, d_prob in self._committed(draft, verdict, target_probs):
+            for token_id, source, t_prob, d_prob in step_tokens:
                 tokens.append(token_id)
+                run.new_tokens += 1
                 committed += 1
-                event = TokenEvent(token_id, detok.push(token_id), source, run.steps, t_prob, d_prob)
+                is_stop = token_id in self.stop_token_ids
+                text = "" if is_stop else detok.push(token_id)
+                event = TokenEvent(token_id, text, source, run.steps, t_prob, d_prob, is_stop=is_stop)
                 yield from _emit(run, event)
-                if token_id in self.stop_token_ids:
+                if is_stop:
                     run.stop_reason = "eos"
                     break
-                if len(tokens) - run.prompt_len >= params.max_new_tokens:
+                if run.new_tokens >= params.max_new_tokens:
                     break
             # Both caches now drop everything past the committed tokens.
             self.target.crop(len(tokens) - 1)
             self.drafter.sync(tokens)
             run.decode_seconds = time.perf_counter() - decode_start - run.paused_seconds
-            yield from _emit(run, self._step_event(run, k, draft, verdict, committed, verify_seconds, tokens))
+            yield from _emit(run, self._step_event(run, draft, verdict, committed, verify_seconds))
             if run.stop_reason == "eos":
                 break
         run.decode_seconds = time.perf_counter() - decode_start - run.paused_seconds
-        stats = self._stats(run, tokens)
-        new_ids = tuple(tokens[run.prompt_len :])
-        yield DoneEvent(token_ids=new_ids, text=self._decode(new_ids), stats=stats)
+        new_ids = tuple(tokens[run.prompt_tokens :])
+        shown = new_ids[:-1] if new_ids and new_ids[-1] in self.stop_token_ids else new_ids
+        yield DoneEvent(token_ids=new_ids, text=self._decode(shown), stats=self._stats(run))
 
     # -- steps ------------------------------------------------------------------
 
-    def _prefill(self, tokens: list[int], run: _Run) -> PrefillEvent:
+    def _prefill(self, tokens: list[int], run: StatsAccumulator) -> PrefillEvent:
         """Put all prompt tokens but the last through the target, reusing a shared prefix."""
         start = time.perf_counter()
         reused = self.target.sync(tokens[:-1])
@@ -202,32 +185,14 @@ class SpeculativeEngine:
         return PrefillEvent(prompt_tokens=len(tokens), reused_tokens=reused, seconds=run.prefill_seconds)
 
     def _draft(
-        self,
-        tokens: list[int],
-        controller: DraftLengthController,
-        lookup_controller: DraftLengthController | None,
-        remaining: int,
-        params: GenerationParams,
-        generator: torch.Generator | None,
-    ) -> tuple[int, Draft, DraftLengthController]:
-        """Choose k and draft: (k, the draft, the controller that chose it)."""
-        if lookup_controller is not None and isinstance(self.drafter, LookupThenModelDrafter):
-            k = self._choose_k(lookup_controller, remaining, params, is_model=False)
-            found = self.drafter.lookup(tokens, k) if k > 0 else EMPTY_DRAFT
-            if found.tokens:
-                return k, found, lookup_controller
-        k = self._choose_k(controller, remaining, params, is_model=self.drafter.is_model)
-        draft = self.drafter.propose(tokens, k, params.sampling, generator) if k > 0 else EMPTY_DRAFT
-        return k, draft, controller
-
-    def _choose_k(
-        self, controller: DraftLengthController, remaining: int, params: GenerationParams, is_model: bool
-    ) -> int:
-        if not self.speculation_enabled or isinstance(self.drafter, NoDrafter):
-            return 0
-        k = controller.choose_k(is_model)
+        self, tokens: list[int], remaining: int, params: GenerationParams, generator: torch.Generator | None
+    ) -> Draft:
+        """The strategy's draft for this step, or none when speculation is off."""
         # The verify always adds one target token, so never draft past the budget.
-        return max(0, min(k, remaining - 1, params.max_draft_length))
+        budget = min(remaining - 1, params.max_draft_length)
+        if not self.speculation_enabled or budget <= 0:
+            return EMPTY_DRAFT
+        return self.drafter.draft(tokens, budget, params.sampling, generator)
 
     def _verify(
         self, tokens: list[int], draft: Draft, sampling: SamplingParams, generator: torch.Generator | None
@@ -243,18 +208,6 @@ class SpeculativeEngine:
             verdict = accept_sampled(draft.tokens, draft.probs, target_probs, generator)
         return verdict, target_probs, time.perf_counter() - start
 
-    def _controllers(
-        self, params: GenerationParams
-    ) -> tuple[DraftLengthController, DraftLengthController | None]:
-        """The draft-length controller, and a second one for free lookup drafts (own acceptance)."""
-
-        def make() -> DraftLengthController:
-            return DraftLengthController(
-                max_k=params.max_draft_length, pinned=params.draft_length, costs=self.costs
-            )
-
-        return make(), make() if isinstance(self.drafter, LookupThenModelDrafter) else None
-
     def _committed(
         self, draft: Draft, verdict: Verdict, target_probs: torch.Tensor
     ) -> list[tuple[int, Source, float | None, float | None]]:
@@ -262,7 +215,8 @@ class SpeculativeEngine:
         out: list[tuple[int, Source, float | None, float | None]] = []
         for i in range(verdict.accepted):
             token = draft.tokens[i]
-            q = float(draft.probs[i, token]) if draft.probs is not None else None
+            copied = i < draft.copied or draft.probs is None  # a copied token has no draft probability
+            q = None if copied else float(draft.probs[i, token])
             out.append((token, Source.ACCEPTED, float(target_probs[i, token]), q))
         n = verdict.accepted
         if not draft.tokens:
@@ -274,44 +228,28 @@ class SpeculativeEngine:
         out.append((verdict.next_token, source, float(target_probs[n, verdict.next_token]), None))
         return out
 
-    def _record_step(
+    def _learn(
         self,
-        run: _Run,
-        controller: DraftLengthController,
+        run: StatsAccumulator,
         draft: Draft,
         verdict: Verdict,
         verify_seconds: float,
+        committed: list[int],
+        sampling: SamplingParams,
     ) -> None:
-        run.steps += 1
-        run.proposed += len(draft.tokens)
-        run.accepted += verdict.accepted
-        run.draft_seconds += draft.seconds
-        run.verify_seconds += verify_seconds
-        run.draft_forwards += draft.forwards
-        run.target_forwards += 1
-        run.k_histogram[len(draft.tokens)] += 1
-        # Position i was reached if all before it were accepted; accepted if i < n.
-        for i in range(min(len(draft.tokens), run.max_draft_length, verdict.accepted + 1)):
-            run.position_trials[i] += 1
-            run.position_hits[i] += i < verdict.accepted
-        controller.observe(len(draft.tokens), verdict.accepted)
+        """Book the step: the run's figures, the strategy's verdict, the verify's cost."""
+        run.record_step(len(draft.tokens), verdict.accepted, draft.seconds, draft.forwards, verify_seconds)
+        if draft is not EMPTY_DRAFT:
+            self.drafter.observe(draft, verdict.accepted, committed, sampling.greedy)
         self.costs.observe_verify(len(draft.tokens) + 1, verify_seconds)
-        self.costs.observe_draft(draft.forwards, draft.seconds)
 
     def _step_event(
-        self,
-        run: _Run,
-        k: int,
-        draft: Draft,
-        verdict: Verdict,
-        committed: int,
-        verify_seconds: float,
-        tokens: list[int],
+        self, run: StatsAccumulator, draft: Draft, verdict: Verdict, committed: int, verify_seconds: float
     ) -> StepEvent:
-        running = self._stats(run, tokens)  # the gauges are the final stats, so far
+        running = self._stats(run)  # the gauges are the final stats, so far
         return StepEvent(
             step=run.steps,
-            k=k,
+            k=draft.requested,
             proposed=len(draft.tokens),
             accepted=verdict.accepted,
             committed=committed,
@@ -321,35 +259,12 @@ class SpeculativeEngine:
             acceptance_rate=running.acceptance_rate,
             measured_speedup=running.measured_speedup,
             theoretical_speedup=running.theoretical_speedup,
+            mean_accepted_length=running.mean_accepted_length,
+            exactness=running.exactness,
         )
 
-    def _stats(
-        self,
-        run: _Run,
-        tokens: list[int],
-    ) -> GenerationStats:
-        pairs = zip(run.position_hits, run.position_trials, strict=True)
-        per_position = tuple(h / t for h, t in pairs if t > 0)
-        return GenerationStats(
-            drafter=self.drafter.name if self.speculation_enabled else "none",
-            prompt_tokens=run.prompt_len,
-            new_tokens=len(tokens) - run.prompt_len,
-            stop_reason=run.stop_reason,
-            steps=run.steps,
-            proposed=run.proposed,
-            accepted=run.accepted,
-            per_position_acceptance=per_position,
-            k_histogram=dict(run.k_histogram),
-            target_forwards=run.target_forwards,
-            draft_forwards=run.draft_forwards,
-            prefill_seconds=run.prefill_seconds,
-            decode_seconds=run.decode_seconds,
-            draft_seconds=run.draft_seconds,
-            verify_seconds=run.verify_seconds,
-            target_token_seconds=self.costs.verify_seconds(1) or 0.0,
-            draft_token_seconds=self.costs.draft_token or 0.0,
-            baseline_measured=1 in self.costs.verify,
-        )
+    def _stats(self, run: StatsAccumulator) -> GenerationStats:
+        return run.snapshot(self.drafter.name if self.speculation_enabled else NONE, self.costs)
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
@@ -363,7 +278,7 @@ def _time_forward(runner: CachedModel, context: list[int], m: int) -> float:
     return time.perf_counter() - start
 
 
-def _emit(run: _Run, event: Event) -> Iterator[Event]:
+def _emit(run: StatsAccumulator, event: Event) -> Iterator[Event]:
     """Yield one event, booking the time the consumer keeps us suspended as paused."""
     start = time.perf_counter()
     yield event

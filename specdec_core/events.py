@@ -43,6 +43,7 @@ class TokenEvent:
     step: int
     target_prob: float | None = None  # target's probability of this token at its position
     draft_prob: float | None = None  # draft's probability (model drafter only)
+    is_stop: bool = False  # an end-of-turn/EOS token: counted, not shown (its text is "")
 
 
 @dataclass(frozen=True)
@@ -59,12 +60,17 @@ class StepEvent:
     tokens_per_second: float  # running, over the decode phase
     acceptance_rate: float  # running accepted / proposed
     measured_speedup: float  # running, see GenerationStats.measured_speedup
-    theoretical_speedup: float = 0.0  # running bound for the measured α, mean k and c
+    theoretical_speedup: float = 0.0  # running bound for the measured a_i, k and c
+    mean_accepted_length: float = 0.0  # running tokens committed per verify
+    exactness: str = "unchecked"  # the engine's self-check label (GenerationStats.exactness)
 
 
 @dataclass(frozen=True)
 class DoneEvent:
-    """The generation ended (eos, max tokens or cancelled); final stats."""
+    """The generation ended (eos, max tokens or cancelled); final stats.
+
+    `text` never holds stop tokens: a final end-of-turn token is in `token_ids` only.
+    """
 
     token_ids: tuple[int, ...]
     text: str
