@@ -183,13 +183,13 @@ class Prober:
 
     def __init__(self, every: int = 16) -> None:
         self.every = every
-        self._due = every
+        self._quick = False  # the last probe was fully accepted: probe again at once
         self._streak = 0
 
     def plain_step(self) -> bool:
         """Count one step that would be plain; True when it should be a probe instead."""
         self._streak += 1
-        if self._streak >= self._due:
+        if self._streak >= (1 if self._quick else self.every):
             self._streak = 0
             return True
         return False
@@ -198,7 +198,7 @@ class Prober:
         self._streak = 0
 
     def probe_result(self, proposed: int, accepted: int) -> None:
-        self._due = 1 if proposed > 0 and accepted == proposed else self.every
+        self._quick = proposed > 0 and accepted == proposed
 
 
 class DraftLengthController:
@@ -222,7 +222,7 @@ class DraftLengthController:
 
     @probe_every.setter
     def probe_every(self, value: int) -> None:
-        self.prober = Prober(value)
+        self.prober.every = value
 
     def expected_rate(self, k: int, draft_cost: float) -> float | None:
         """Expected tokens per second when drafting k tokens (k = 0: a plain step)."""

@@ -1,0 +1,232 @@
+"""Drafting strategies and the source policy: decisions from scripted costs, output unchanged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny import hf_greedy, perturbed, tiny_model
+
+from specdec_core.adaptive import CostModel, DraftLengthController
+from specdec_core.drafters import (
+    DraftPlan,
+    DraftSource,
+    LookupThenModelDrafter,
+    ModelDrafter,
+    NgramDrafter,
+    NoDrafter,
+    one_hot_rows,
+)
+from specdec_core.engine import GenerationParams, SpeculativeEngine
+from specdec_core.events import DoneEvent, StepEvent, TokenEvent
+from specdec_core.policy import PLAIN, Choice, SourcePolicy
+from specdec_core.stats import GenerationStats, speedup_bound, theoretical_speedup
+
+# Shaped after this 2-core CPU: a verify of m tokens ~ (1 + 0.12 (m - 1)) target steps,
+# a draft forward half a target step (docs/performance.md).
+CPU_VERIFY = {m: 0.10 * (1 + 0.12 * (m - 1)) for m in range(1, 10)}
+
+
+def policy_with(model_runs=(), lookup_runs=(), match_n=3, verify=None) -> SourcePolicy:
+    policy = SourcePolicy(CostModel(verify=dict(verify or CPU_VERIFY)), max_k=8)
+    for proposed, accepted in model_runs:
+        policy.model.observe(proposed, accepted)
+    for proposed, accepted in lookup_runs:
+        policy.lookup(match_n).observe(proposed, accepted)
+    return policy
+
+
+def test_excellent_draft_model_beats_mediocre_lookup():
+    # The finding this policy fixes: lookup tried first pulled acceptance to 0.33.
+    policy = policy_with(model_runs=[(6, 6)] * 30, lookup_runs=[(3, 0), (3, 0), (3, 3)] * 10)
+    choice = policy.choose(budget=8, match_n=3, found=8, t_draft=0.05)
+    assert choice.model_tokens > 0 and choice.lookup_tokens == 0
+
+
+def test_good_lookup_beats_costly_model():
+    policy = policy_with(model_runs=[(4, 2)] * 30, lookup_runs=[(6, 6)] * 30)
+    choice = policy.choose(budget=8, match_n=3, found=6, t_draft=0.05)
+    assert choice == Choice(lookup_tokens=6, model_tokens=0)
+
+
+def test_short_lookup_run_is_extended_by_a_good_model():
+    policy = policy_with(model_runs=[(6, 6)] * 30, lookup_runs=[(2, 2)] * 30)
+    choice = policy.choose(budget=8, match_n=3, found=2, t_draft=0.02)
+    assert choice.lookup_tokens == 2 and choice.model_tokens > 0
+
+
+def test_lookup_acceptance_is_kept_per_match_length():
+    policy = policy_with(model_runs=[(4, 1)] * 30, lookup_runs=[(4, 4)] * 30, match_n=4)
+    for _ in range(30):
+        policy.lookup(2).observe(4, 0)
+    assert policy.choose(budget=8, match_n=4, found=4, t_draft=0.05).lookup_tokens == 4
+    assert policy.choose(budget=8, match_n=2, found=4, t_draft=0.05).lookup_tokens == 0
+
+
+def test_nothing_pays_means_a_plain_step_then_a_probe():
+    policy = policy_with(model_runs=[(4, 0)] * 30, lookup_runs=[(4, 0)] * 30)
+    policy.prober.every = 4
+    choices = [policy.choose(budget=8, match_n=3, found=4, t_draft=0.05) for _ in range(4)]
+    assert choices[:3] == [PLAIN] * 3
+    assert choices[3].probe and choices[3].total > 0
+
+
+def test_pinned_k_copies_what_lookup_found_and_the_model_fills_the_rest():
+    policy = SourcePolicy(CostModel(verify=dict(CPU_VERIFY)), max_k=8, pinned=5)
+    assert policy.choose(budget=8, match_n=2, found=3, t_draft=0.05) == Choice(3, 2)
+    assert policy.choose(budget=8, match_n=0, found=0, t_draft=0.05) == Choice(0, 5)
+    assert policy.choose(budget=2, match_n=2, found=3, t_draft=0.05) == Choice(2, 0)
+
+
+def test_unused_lookup_is_scored_against_the_committed_tokens():
+    policy = policy_with()
+    policy.observe_unused_lookup(3, copies=[5, 6, 7], committed=[5, 9])  # rejected at 2
+    policy.observe_unused_lookup(3, copies=[5, 6, 7], committed=[5, 6])  # accepted as far as known
+    est = policy.lookup(3)
+    assert est.trials[:3] == pytest.approx([0.97 + 1, 0.97 + 1, 0.0])
+    assert est.hits[:2] == pytest.approx([0.97 + 1, 1.0])
+
+
+def test_after_a_bad_stretch_a_good_draft_resumes_within_a_few_plain_steps():
+    c = DraftLengthController(max_k=8, costs=CostModel(verify=dict(CPU_VERIFY), draft_token=0.03))
+    for _ in range(200):  # a long stretch the draft could not predict
+        k = c.choose_k(drafter_is_model=True)
+        c.observe(k, 0)
+    choices = []
+    for _ in range(100):  # the draft is now perfect
+        k = c.choose_k(drafter_is_model=True)
+        c.observe(k, k)
+        choices.append(k)
+    last_plain = max(i for i, k in enumerate(choices) if k == 0)
+    # At most one probe interval of plain steps, then it speculates every step
+    # (was ~180 when acceptance only moved on probes and never decayed).
+    assert choices.count(0) == last_plain + 1 <= c.probe_every
+
+
+@pytest.mark.parametrize("pinned", [None, 3])
+def test_max_draft_length_zero_means_plain_steps(tokenizer, target, pinned):
+    c = DraftLengthController(max_k=0, pinned=pinned, costs=CostModel(verify={1: 0.1}))
+    assert [c.choose_k(drafter_is_model=True) for _ in range(40)] == [0] * 40
+    drafter = LookupThenModelDrafter(ModelDrafter(tiny_model(len(tokenizer), seed=0), "same"))
+    engine = SpeculativeEngine(target, tokenizer, drafter)
+    engine.costs.observe_verify(1, 0.1)
+    prompt = tokenizer("def add(a, b):")["input_ids"]
+    params = GenerationParams(max_new_tokens=6, max_draft_length=0, draft_length=pinned)
+    done = list(engine.generate(prompt, params))[-1]
+    assert list(done.token_ids) == hf_greedy(target, prompt, 6)
+    assert done.stats.proposed == 0
+
+
+def test_bound_uses_per_position_acceptance_not_accepted_over_proposed():
+    # Each step drafts 4; position acceptance 0.75: accepted/proposed counts unchecked positions.
+    stats = GenerationStats(
+        drafter="d",
+        prompt_tokens=1,
+        new_tokens=10,
+        stop_reason="max_tokens",
+        steps=10,
+        proposed=40,
+        accepted=20,
+        per_position_acceptance=(0.75, 0.75, 0.75, 0.75),
+        k_histogram={4: 10},
+        target_token_seconds=1.0,
+        draft_token_seconds=0.1,
+    )
+    c = stats.cost_ratio
+    assert stats.theoretical_speedup == pytest.approx(theoretical_speedup(0.75, 4, c))
+    assert stats.theoretical_speedup > theoretical_speedup(stats.acceptance_rate, 4, c)
+    assert speedup_bound((), {0: 5}, 0.5) == 1.0
+
+
+def test_copied_tokens_have_one_hot_draft_distributions():
+    rows = one_hot_rows([2, 0], 4)
+    assert rows.tolist() == [[0, 0, 1, 0], [1, 0, 0, 0]]
+
+
+# -- the engine with the policy: the output never changes ---------------------------------
+
+
+class SourceSpy:
+    """Wraps a strategy and records the source of every draft it made."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.sources: list[DraftSource] = []
+
+    def draft(self, *args):
+        draft = self.inner.draft(*args)
+        self.sources.append(draft.source)
+        return draft
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+REPETITIVE = "for i in range(10):\n    print(i * i)\nfor i in range(10):\n    print(i * i)\nfor i in"
+
+
+@pytest.mark.parametrize(
+    "draft, draft_cost",
+    [("same", 0.001), ("perturbed", 0.001), ("same", 0.2)],  # free or twice a target step
+)
+def test_policy_never_changes_greedy_output(tokenizer, target, draft, draft_cost):
+    model = tiny_model(len(tokenizer), seed=0) if draft == "same" else perturbed(target, 0.05)
+    spy = SourceSpy(LookupThenModelDrafter(ModelDrafter(model, "d")))
+    engine = SpeculativeEngine(target, tokenizer, spy)
+    engine.costs = CostModel(verify=dict(CPU_VERIFY), draft_token=draft_cost)
+    prompt = tokenizer(REPETITIVE)["input_ids"]
+    done = list(engine.generate(prompt, GenerationParams(max_new_tokens=40)))[-1]
+    assert list(done.token_ids) == hf_greedy(target, prompt, 40)
+    assert set(spy.sources) - {DraftSource.NONE}  # it drafted something
+
+
+def test_model_draft_stops_early_when_confidence_is_too_low_to_pay(tokenizer, target):
+    drafter = ModelDrafter(perturbed(target, 0.3), "p")
+    # A draft forward as costly as a target step: only near-certain tokens pay.
+    drafter.start(DraftPlan(costs=CostModel(verify=dict(CPU_VERIFY), draft_token=0.09)))
+    prompt = tokenizer("def add(a, b):")["input_ids"]
+    sampling = GenerationParams().sampling
+    short = drafter.propose(prompt, 8, sampling, None)
+    drafter.early_stop = False
+    full = drafter.propose(prompt, 8, sampling, None)
+    assert len(full.tokens) == 8
+    assert 1 <= len(short.tokens) < 8
+    assert short.tokens == full.tokens[: len(short.tokens)]
+
+
+def test_stop_token_is_flagged_counted_and_kept_out_of_the_text(tokenizer, target):
+    prompt = tokenizer("def add(a, b):")["input_ids"]
+    free_run = hf_greedy(target, prompt, 12)
+    stop = free_run[5]
+    engine = SpeculativeEngine(target, tokenizer, NgramDrafter(), stop_token_ids=[stop])
+    events = list(engine.generate(prompt, GenerationParams(max_new_tokens=12)))
+    tokens = [e for e in events if isinstance(e, TokenEvent)]
+    done = events[-1]
+    assert isinstance(done, DoneEvent)
+    assert tokens[-1].is_stop and tokens[-1].text == "" and not any(t.is_stop for t in tokens[:-1])
+    assert done.token_ids[-1] == stop
+    expected = tokenizer.decode(list(done.token_ids[:-1]), clean_up_tokenization_spaces=False)
+    assert done.text == expected
+    steps = [e for e in events if isinstance(e, StepEvent)]
+    assert steps[-1].mean_accepted_length == pytest.approx(len(done.token_ids) / len(steps))
+    assert steps[-1].exactness == done.stats.exactness == "unchecked"
+
+
+def test_stats_carry_the_engine_exactness_label(tokenizer, target):
+    class Report:
+        label = "bitwise"
+        max_logit_diff = 0.0
+
+    engine = SpeculativeEngine(target, tokenizer, NoDrafter())
+    engine.exactness = Report()  # type: ignore[attr-defined]
+    done = list(engine.generate(tokenizer("def")["input_ids"], GenerationParams(max_new_tokens=2)))[-1]
+    assert done.stats.exactness == "bitwise" and done.stats.max_logit_diff == 0.0
+    assert done.stats.as_dict()["exactness"] == "bitwise"
+
+
+def test_calibration_times_the_runners_the_strategy_names(tokenizer, target):
+    for strategy, timed in ((NgramDrafter(), False), (ModelDrafter(tiny_model(len(tokenizer)), "d"), True)):
+        engine = SpeculativeEngine(target, tokenizer, strategy)
+        costs = engine.calibrate(sizes=(1,), repeats=1)
+        assert (costs.draft_token is not None) == timed
+    assert torch.is_tensor(one_hot_rows([], 3))
