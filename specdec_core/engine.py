@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -145,20 +145,7 @@ class SpeculativeEngine:
             step_tokens = self._committed(draft, verdict, target_probs)
             self._learn(run, draft, verdict, verify_seconds, [t[0] for t in step_tokens], sampling)
 
-            committed = 0
-            for token_id, source, t_prob, d_prob in step_tokens:
-                tokens.append(token_id)
-                run.new_tokens += 1
-                committed += 1
-                is_stop = token_id in self.stop_token_ids
-                text = "" if is_stop else detok.push(token_id)
-                event = TokenEvent(token_id, text, source, run.steps, t_prob, d_prob, is_stop=is_stop)
-                yield from _emit(run, event)
-                if is_stop:
-                    run.stop_reason = "eos"
-                    break
-                if run.new_tokens >= params.max_new_tokens:
-                    break
+            committed = yield from self._commit(run, tokens, step_tokens, detok, params.max_new_tokens)
             # Both caches now drop everything past the committed tokens.
             self.target.crop(len(tokens) - 1)
             self.drafter.sync(tokens)
@@ -207,6 +194,34 @@ class SpeculativeEngine:
         else:
             verdict = accept_sampled(draft.tokens, draft.probs, target_probs, generator)
         return verdict, target_probs, time.perf_counter() - start
+
+    def _commit(
+        self,
+        run: StatsAccumulator,
+        tokens: list[int],
+        step_tokens: list[tuple[int, Source, float | None, float | None]],
+        detok: IncrementalDetokenizer,
+        max_new_tokens: int,
+    ) -> Generator[Event, None, int]:
+        """Append the step's tokens, one TokenEvent each, up to a stop token or the budget.
+
+        Returns how many were committed. A stop token is counted, flagged, and adds no text.
+        """
+        committed = 0
+        for token_id, source, t_prob, d_prob in step_tokens:
+            tokens.append(token_id)
+            run.new_tokens += 1
+            committed += 1
+            is_stop = token_id in self.stop_token_ids
+            text = "" if is_stop else detok.push(token_id)
+            event = TokenEvent(token_id, text, source, run.steps, t_prob, d_prob, is_stop=is_stop)
+            yield from _emit(run, event)
+            if is_stop:
+                run.stop_reason = "eos"
+                break
+            if run.new_tokens >= max_new_tokens:
+                break
+        return committed
 
     def _committed(
         self, draft: Draft, verdict: Verdict, target_probs: torch.Tensor
