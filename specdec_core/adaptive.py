@@ -117,30 +117,37 @@ class AcceptanceEstimate:
             if i < accepted:
                 self.hits[i] += 1.0
 
-    def rate(self, i: int) -> float:
+    def _pooled(self) -> float:
+        # The pooled rate over all positions, shrunk toward the prior.
+        return (sum(self.hits) + self.prior * self.prior_weight) / (sum(self.trials) + self.prior_weight)
+
+    def rate(self, i: int, pooled: float | None = None) -> float:
         """a_{i+1}: probability position i+1 is accepted given all before were."""
-        pooled_hits = sum(self.hits)
-        pooled_trials = sum(self.trials)
-        # Shrink each position toward the pooled rate, the pooled rate toward the prior.
-        pooled = (pooled_hits + self.prior * self.prior_weight) / (pooled_trials + self.prior_weight)
+        pooled = self._pooled() if pooled is None else pooled
         if i >= len(self.trials):
             return pooled
+        # Shrink each position toward the pooled rate.
         return (self.hits[i] + pooled * self.prior_weight) / (self.trials[i] + self.prior_weight)
 
     def survival(self, k: int) -> float:
         """P(the first k draft tokens are all accepted)."""
+        pooled = self._pooled()
         p = 1.0
         for i in range(k):
-            p *= self.rate(i)
+            p *= self.rate(i, pooled)
         return p
 
+    def expected_curve(self, k_max: int) -> list[float]:
+        """E[tokens committed by a verify of k drafts] for k = 0..k_max: 1 + sum_j P(first j accepted)."""
+        pooled = self._pooled()
+        curve, survive = [1.0], 1.0
+        for i in range(k_max):
+            survive *= self.rate(i, pooled)
+            curve.append(curve[-1] + survive)
+        return curve
+
     def expected_tokens(self, k: int) -> float:
-        """E[tokens committed by a verify of k drafts] = 1 + sum_j P(first j accepted)."""
-        total, survive = 1.0, 1.0
-        for i in range(k):
-            survive *= self.rate(i)
-            total += survive
-        return total
+        return self.expected_curve(k)[k]
 
 
 class ConfidenceCalibration:

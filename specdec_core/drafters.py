@@ -186,9 +186,9 @@ class NgramDrafter:
         for n in range(self.max_ngram, self.min_ngram - 1, -1):
             if len(toks) < n:
                 continue
-            end = self._last_end.get(tuple(toks[-n:]))
-            if end is not None:
-                return list(toks[end : end + k]), n
+            found = self._last_end.get(tuple(toks[-n:]))
+            if found is not None:
+                return list(toks[found : found + k]), n
         return [], 0
 
 

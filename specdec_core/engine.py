@@ -230,8 +230,8 @@ class SpeculativeEngine:
         out: list[tuple[int, Source, float | None, float | None]] = []
         for i in range(verdict.accepted):
             token = draft.tokens[i]
-            copied = i < draft.copied or draft.probs is None  # a copied token has no draft probability
-            q = None if copied else float(draft.probs[i, token])
+            # A copied token has no draft probability.
+            q = None if i < draft.copied or draft.probs is None else float(draft.probs[i, token])
             out.append((token, Source.ACCEPTED, float(target_probs[i, token]), q))
         n = verdict.accepted
         if not draft.tokens:

@@ -65,19 +65,23 @@ class SourcePolicy:
 
     def options(self, budget: int, match_n: int, found: int, t_draft: float) -> list[tuple[float, Choice]]:
         """(expected tokens per second, choice) for every way to draft this step."""
-        out: list[tuple[float, Choice]] = []
-        rate = self._rate
-        for k in range(1, budget + 1):
-            out.append((rate(self.model.expected_tokens(k), k * t_draft, k), Choice(0, k)))
+        verify = [self.costs.verify_seconds(m) or 0.0 for m in range(budget + 2)]
+
+        def rate(tokens: float, draft_seconds: float, drafted: int) -> float:
+            seconds = draft_seconds + verify[drafted + 1]
+            return tokens / seconds if seconds > 0 else 0.0
+
+        model = self.model.expected_curve(budget)
+        out = [(rate(model[k], k * t_draft, k), Choice(0, k)) for k in range(1, budget + 1)]
         if found <= 0:
             return out
-        copies = self.lookup(match_n)
-        for k in range(1, min(found, budget) + 1):
-            out.append((rate(copies.expected_tokens(k), 0.0, k), Choice(k, 0)))
+        copies = self.lookup(match_n).expected_curve(budget)
         n_copied = min(found, budget)
-        reach = copies.survival(n_copied)
+        out += [(rate(copies[k], 0.0, k), Choice(k, 0)) for k in range(1, n_copied + 1)]
+        # A copied run's survival is the step in its expected-tokens curve.
+        reach = copies[n_copied] - copies[n_copied - 1]
         for j in range(1, budget - n_copied + 1):
-            tokens = copies.expected_tokens(n_copied) + reach * (self.model.expected_tokens(j) - 1.0)
+            tokens = copies[n_copied] + reach * (model[j] - 1.0)
             out.append((rate(tokens, j * t_draft, n_copied + j), Choice(n_copied, j)))
         return out
 
@@ -126,8 +130,3 @@ class SourcePolicy:
 
     def lookup_survival(self, match_n: int, copied: int) -> float:
         return self.lookup(match_n).survival(copied) if copied else 1.0
-
-    def _rate(self, expected_tokens: float, draft_seconds: float, drafted: int) -> float:
-        t_verify = self.costs.verify_seconds(drafted + 1) or 0.0
-        seconds = draft_seconds + t_verify
-        return expected_tokens / seconds if seconds > 0 else 0.0

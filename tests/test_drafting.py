@@ -230,3 +230,28 @@ def test_calibration_times_the_runners_the_strategy_names(tokenizer, target):
         costs = engine.calibrate(sizes=(1,), repeats=1)
         assert (costs.draft_token is not None) == timed
     assert torch.is_tensor(one_hot_rows([], 3))
+
+
+def test_lookup_run_extended_by_the_model_keeps_the_target_distribution():
+    # The lookup finds one token after "1 1" (the match overlaps the suffix); with k pinned
+    # to 2 the model drafts the second, so each step verifies a one-hot row then a model q.
+    from test_sampling_exactness import SAMPLES, VOCAB, chi_square_pvalue, tiny_vocab_tokenizer
+
+    target = tiny_model(VOCAB, seed=3, layers=1, hidden=32)
+    spy = SourceSpy(LookupThenModelDrafter(ModelDrafter(perturbed(target, 0.5, seed=4), "p")))
+    engine = SpeculativeEngine(target, tiny_vocab_tokenizer(), spy)
+    prompt = [3, 1, 1, 1]
+    params = GenerationParams(max_new_tokens=3, temperature=1.0, draft_length=2)
+    with torch.no_grad():
+        p1 = params.sampling.probs(target(torch.tensor([prompt])).logits[0, -1])
+        p2 = torch.stack(
+            [params.sampling.probs(target(torch.tensor([[*prompt, t]])).logits[0, -1]) for t in range(VOCAB)]
+        )
+    joint = (p1[:, None] * p2).flatten().numpy()
+    samples = []
+    for seed in range(SAMPLES):
+        run_params = GenerationParams(**{**params.__dict__, "seed": seed})
+        x1, x2 = list(engine.generate(prompt, run_params))[-1].token_ids[:2]
+        samples.append(x1 * VOCAB + x2)
+    assert spy.sources[0] is DraftSource.LOOKUP_MODEL
+    assert chi_square_pvalue(samples, joint / joint.sum()) > 1e-3
