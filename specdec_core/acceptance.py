@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import sample
+from .sampling import sample, uniforms
 
 
 @dataclass(frozen=True)
@@ -43,11 +43,11 @@ def accept_sampled(
 ) -> Verdict:
     """draft_probs: [k, V] or None (deterministic drafter); target_probs: [k + 1, V]."""
     k = len(draft_tokens)
-    uniforms = torch.rand(k, generator=generator).tolist() if k else []
+    draws = uniforms(k, generator)
     for i, token in enumerate(draft_tokens):
         p = float(target_probs[i, token])
         q = 1.0 if draft_probs is None else float(draft_probs[i, token])
-        if q > 0 and uniforms[i] < min(1.0, p / q):
+        if q > 0 and draws[i] < min(1.0, p / q):
             continue
         return Verdict(
             accepted=i, next_token=sample(_residual(i, token, draft_probs, target_probs), generator)

@@ -193,6 +193,7 @@ class SpeculativeEngine:
             verdict = accept_greedy(draft.tokens, logits)
         else:
             verdict = accept_sampled(draft.tokens, draft.probs, target_probs, generator)
+        self.target.synchronize()  # on CUDA the clock must wait for the kernels
         return verdict, target_probs, time.perf_counter() - start
 
     def _commit(
@@ -288,8 +289,10 @@ class SpeculativeEngine:
 def _time_forward(runner: CachedModel, context: list[int], m: int) -> float:
     """Seconds of one forward of m tokens after the cached context (a verify of m - 1 drafts)."""
     runner.crop(len(context))
+    runner.synchronize()  # CUDA runs kernels asynchronously: time the forward, not its launch
     start = time.perf_counter()
     runner.forward(context[:m], logits_to_keep=m)
+    runner.synchronize()
     return time.perf_counter() - start
 
 

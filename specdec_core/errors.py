@@ -63,3 +63,7 @@ class InternalError(SpecdecError):
     """Something failed that should not have: a bug of ours (the cause is chained)."""
 
     exit_code = 1
+
+
+class NumericalError(SpecdecError):
+    """A model produced inf/NaN logits (typically fp16 overflow); the caches were reset."""

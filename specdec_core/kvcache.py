@@ -11,7 +11,8 @@ Two things make that rollback exact on every architecture:
   exactly the keys its own sliding layer would hand it, so the window applies as before.
 - A forward that fails half-way (out of memory, an interrupt) has already written
   some layers; the cache is then reset, so the next forward re-feeds the sequence
-  instead of reading half-written states.
+  instead of reading half-written states. So is a forward whose logits hold inf/NaN
+  (fp16 overflow), which raises a one-line `NumericalError`.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from collections.abc import Sequence
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+from .errors import NumericalError
 
 # Tests turn this on (tests/conftest.py): every forward then checks that each cache
 # layer holds exactly len(ids) positions.
@@ -139,4 +142,13 @@ class CachedModel:
             lengths = layer_lengths(self.cache)
             assert all(n == len(self.ids) for n in lengths), f"cache holds {lengths} for {len(self.ids)} ids"
         # Logits upcast to fp32 before comparing/sampling (as transformers does).
-        return out.logits[0].float()
+        logits = out.logits[0].float()
+        # max() propagates NaN and +inf: one reduction guards the whole tensor.
+        if not torch.isfinite(logits.max()):
+            self.reset()
+            raise NumericalError(
+                f"{getattr(self.model.config, 'name_or_path', '') or 'the model'} produced inf/NaN logits "
+                f"at {str(self.model.dtype).removeprefix('torch.')} (fp16 overflows on some models); "
+                "load it at bf16 or fp32"
+            )
+        return logits

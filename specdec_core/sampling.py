@@ -49,5 +49,19 @@ def _top_p_mask(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """probs: [V] -> one token id."""
+    """probs: [V] -> one token id, drawn on the generator's device.
+
+    The engine seeds one CPU generator for a run whatever the models' device, so a
+    seed gives the same draws on CPU and CUDA; the probabilities (a few hundred KB)
+    go to it rather than the generator to them (torch refuses a CPU generator for
+    CUDA tensors).
+    """
+    if generator is not None and probs.device != generator.device:
+        probs = probs.to(generator.device)
     return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def uniforms(n: int, generator: torch.Generator | None) -> list[float]:
+    """n uniform draws in [0, 1) from the generator (on its device)."""
+    device = generator.device if generator is not None else None
+    return torch.rand(n, generator=generator, device=device).tolist() if n else []

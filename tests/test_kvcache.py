@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from archs import WINDOW, arch_model
@@ -10,6 +12,7 @@ from tiny import hf_greedy
 from specdec_core import kvcache
 from specdec_core.drafters import NgramDrafter
 from specdec_core.engine import GenerationParams, SpeculativeEngine
+from specdec_core.errors import NumericalError
 from specdec_core.kvcache import CachedModel
 
 
@@ -49,3 +52,14 @@ def test_a_forward_that_fails_half_way_leaves_a_usable_cache(tokenizer, target, 
     monkeypatch.undo()
     # The retry (what the app does after an out-of-memory) gives the right answer.
     assert list(list(engine.generate(prompt, params))[-1].token_ids) == expected
+
+
+def test_inf_or_nan_logits_stop_generation_with_one_line_and_a_clean_cache(tokenizer, target):
+    broken = copy.deepcopy(target)
+    with torch.no_grad():
+        broken.lm_head.weight[5] = float("inf")  # as an fp16 overflow would
+    engine = SpeculativeEngine(broken, tokenizer, NgramDrafter())
+    with pytest.raises(NumericalError, match=r"inf/NaN logits at float32.*bf16 or fp32") as raised:
+        list(engine.generate(tokenizer("def add(a, b):")["input_ids"], GenerationParams(max_new_tokens=4)))
+    assert "\n" not in str(raised.value)
+    assert engine.target.ids == []

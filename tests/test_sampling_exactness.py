@@ -72,6 +72,7 @@ def tiny_vocab_tokenizer() -> PreTrainedTokenizerFast:
     "params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=6, top_p=0.9)]
 )
 def test_engine_first_two_tokens_follow_plain_target_sampling(params):
+    """Three new tokens, so the first verify checks k = 2 drafts; (x1, x2) must follow the target."""
     target = tiny_model(VOCAB, seed=3, layers=1, hidden=32)
     draft = ModelDrafter(perturbed(target, 0.5, seed=4), "perturbed")
     engine = SpeculativeEngine(target, tiny_vocab_tokenizer(), draft)
@@ -81,11 +82,14 @@ def test_engine_first_two_tokens_follow_plain_target_sampling(params):
         p2 = torch.stack(
             [params.probs(target(torch.tensor([[*prompt, t]])).logits[0, -1]) for t in range(VOCAB)]
         )
+        q1 = params.probs(draft.runner.model(torch.tensor([prompt])).logits[0, -1])
+    if params.top_k:  # the draft may propose tokens the target's truncation excludes, and vice versa
+        assert not torch.equal(p1 > 0, q1 > 0)
     joint = (p1[:, None] * p2).flatten().numpy()  # P(x1, x2) under plain target sampling
     samples = []
-    accepted = 0
+    accepted = two_drafts = 0
     gp = GenerationParams(
-        max_new_tokens=2,
+        max_new_tokens=3,  # the verify always adds a token: k = min(draft_length, 3 - 1) = 2
         temperature=params.temperature,
         top_k=params.top_k,
         top_p=params.top_p,
@@ -93,10 +97,12 @@ def test_engine_first_two_tokens_follow_plain_target_sampling(params):
     )
     for seed in range(SAMPLES):
         done = list(engine.generate(prompt, GenerationParams(**{**gp.__dict__, "seed": seed})))[-1]
-        x1, x2 = done.token_ids
+        x1, x2, _ = done.token_ids
         samples.append(x1 * VOCAB + x2)
         accepted += done.stats.accepted
+        two_drafts += done.stats.k_histogram.get(2, 0)
     assert accepted > SAMPLES // 5  # the draft was really used, not bypassed
+    assert two_drafts >= SAMPLES  # every run's first verify checked two drafts
     assert chi_square_pvalue(samples, joint / joint.sum()) > 1e-3
 
 
