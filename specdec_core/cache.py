@@ -267,7 +267,7 @@ def require_space(where: Path, needed: int, kept: str) -> None:
 def notice(progress: ProgressCallback | None, message: str) -> None:
     """Tell the user about a repair (a damaged file deleted and made again)."""
     if progress is not None:
-        progress(Progress(message, 0, 0))
+        progress(Progress(message, 0, 0, notice=True))
 
 
 # --- stale temporaries of killed runs -----------------------------------------------------

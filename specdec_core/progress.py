@@ -27,6 +27,9 @@ class Progress:
     done: int  # units done
     total: int  # 0 when unknown (an indeterminate bar)
     unit: str = BYTES  # "B" for downloads and hashing; a plural noun otherwise ("tensors", "runs")
+    # A message to keep, not a stage to replace: "the cached file was damaged; deleted it,
+    # downloading again". A front end shows it where it stays readable (a log line, a banner).
+    notice: bool = False
 
 
 ProgressCallback = Callable[[Progress], None]
@@ -59,6 +62,11 @@ class TerminalProgress:
         self.line_open = False  # a bar is drawn on the current line, without its newline yet
 
     def __call__(self, p: Progress, detail: str = "") -> None:
+        if p.notice:
+            self.close()
+            self.stream.write(f"specdec: {p.stage}\n")
+            self.stream.flush()
+            return
         bar = p.stage.split(" (part ")[0]
         now = time.monotonic()
         if bar != self.bar:

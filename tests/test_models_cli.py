@@ -63,7 +63,9 @@ def mark_converted(entry_name: str, source: Path, vocab_size: int) -> Path:
     shutil.copytree(source, folder)
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "vocab_size": vocab_size}))
-    gguf_convert.write_marker(folder, source="test", sha256="x", size=0, source_verified=False, label=entry_name)
+    gguf_convert.write_marker(
+        folder, source="test", sha256="x", size=0, source_verified=False, label=entry_name
+    )
     return folder
 
 
@@ -113,12 +115,16 @@ def test_drafts_for_a_local_folder_are_checked_for_real_and_ngram_always_fits(ca
     assert verdicts[DEFAULT_DRAFT]["reason"] == f"vocab 151936 vs {tiny_rows}"
 
 
-def test_drafts_for_a_catalog_target_not_yet_fetched_come_from_the_catalog_without_downloading(capsys, monkeypatch):
+def test_drafts_for_a_catalog_target_not_yet_fetched_come_from_the_catalog_without_downloading(
+    capsys, monkeypatch
+):
     def no_download(*args, **kwargs):
         raise AssertionError("a listing must not download models")
 
     monkeypatch.setattr(refs, "fetch_package_index_file", no_download)
-    verdicts = {d["name"]: d for d in run_json(capsys, "models", "--compatible-with", DEFAULT_TARGET)["drafts"]}
+    verdicts = {
+        d["name"]: d for d in run_json(capsys, "models", "--compatible-with", DEFAULT_TARGET)["drafts"]
+    }
     assert DEFAULT_TARGET not in verdicts
     assert verdicts[DEFAULT_DRAFT]["compatible"] is True
     assert verdicts[DEFAULT_DRAFT]["basis"] == "catalog"
@@ -140,7 +146,10 @@ def test_fetch_prints_each_model_and_its_folder_and_draws_progress_on_stderr(cap
     monkeypatch.setattr(cli_models, "resolve_model_ref", fake_resolve)
     code, out, err = run_both(capsys, "fetch", SMALL_MODEL, DEFAULT_DRAFT)
     assert code == 0
-    assert out.splitlines() == [f"{SMALL_MODEL}\t{tmp_path / SMALL_MODEL}", f"{DEFAULT_DRAFT}\t{tmp_path / DEFAULT_DRAFT}"]
+    assert out.splitlines() == [
+        f"{SMALL_MODEL}\t{tmp_path / SMALL_MODEL}",
+        f"{DEFAULT_DRAFT}\t{tmp_path / DEFAULT_DRAFT}",
+    ]
     assert f"Downloading {SMALL_MODEL}: 100 B" in err.splitlines()  # capsys is no terminal: a line per bar
     assert f"specdec: {DEFAULT_DRAFT} ready in" in err
 
@@ -183,7 +192,10 @@ def test_progress_without_a_terminal_prints_a_line_per_stage_only():
     for done in range(0, 101, 10):
         bar(Progress("Downloading m (part 1/1)", done, 100))
     bar(Progress("Converting m (first use only, about a minute)", 0, 0))
-    assert stream.getvalue().splitlines() == ["Downloading m: 100 B", "Converting m (first use only, about a minute)…"]
+    assert stream.getvalue().splitlines() == [
+        "Downloading m: 100 B",
+        "Converting m (first use only, about a minute)…",
+    ]
 
 
 def test_progress_bar_counts_other_units_without_a_byte_rate_and_shows_the_detail():
@@ -195,3 +207,20 @@ def test_progress_bar_counts_other_units_without_a_byte_rate_and_shows_the_detai
     assert line.startswith("Benchmark [######") and " 25% 3 runs/12 runs" in line
     assert "/s ETA" not in line and line.rstrip("\n").endswith("code-is-prime · ours 5.20 tok/s\x1b[K")
     assert stream.getvalue().endswith("\n")  # close() ends the bar's line
+
+
+def test_a_notice_gets_its_own_line_and_ends_the_bar_it_interrupts():
+    stream = FakeTerminal()
+    bar = TerminalProgress(stream, min_interval_s=0)
+    bar(Progress("Downloading m (part 1/2)", 100, 200))
+    bar(
+        Progress(
+            "m: part 2/2 on disk failed its sha256 check; deleted it, downloading it again", 0, 0, notice=True
+        )
+    )
+    bar(Progress("Downloading m (part 2/2)", 200, 200))
+    lines = stream.getvalue().split("\n")
+    assert (
+        lines[1] == "specdec: m: part 2/2 on disk failed its sha256 check; deleted it, downloading it again"
+    )
+    assert lines[0].startswith("\rDownloading m [") and lines[2].startswith("\rDownloading m [")
