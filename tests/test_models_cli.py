@@ -223,4 +223,4 @@ def test_a_notice_gets_its_own_line_and_ends_the_bar_it_interrupts():
     assert (
         lines[1] == "specdec: m: part 2/2 on disk failed its sha256 check; deleted it, downloading it again"
     )
-    assert lines[0].startswith("\rDownloading m [") and lines[2].startswith("\rDownloading m [")
+    assert lines[0].startswith("\rDownloading m (part 1/2) [") and lines[2].startswith("\rDownloading m (part 2/2) [")
