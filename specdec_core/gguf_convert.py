@@ -26,6 +26,7 @@ import json
 import os
 import shutil
 import struct
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -216,12 +217,14 @@ def _convert_into(
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir()
-        if converter is None:
+        if converter is None and not getattr(sys, "frozen", False):
             from .conversion_process import convert_in_child
 
             convert_in_child(gguf_path, tmp, label=label, progress=progress, cancel=cancel)
         else:
-            converter(gguf_path, tmp)
+            # A frozen bundle (PyInstaller) has no `python -m`: convert here; a cancel is
+            # then honoured once transformers returns.
+            (converter or convert_with_transformers)(gguf_path, tmp)
         check_cancelled(cancel)
         write_marker(
             tmp, source=str(gguf_path.resolve()), sha256=sha256, size=gguf_path.stat().st_size,
