@@ -174,12 +174,17 @@ def dequantize_bnb(module: nn.Linear) -> torch.Tensor:
     if state is not None:  # 4-bit: blockwise absmax with the nf4/fp4 code book
         import bitsandbytes.functional as bnbf
 
+        if getattr(state, "packing_format_for_cpu", False):
+            # bitsandbytes repacks CPU weights at its first forward; undo it once.
+            weight.data, weight.quant_state = bnbf._convert_weight_packed_for_cpu_inverse(weight.data, state)
+            state = weight.quant_state
         return bnbf.dequantize_4bit(weight.data, state)
     # 8-bit: int8 rows with one absmax per output row (SCB), as int8_vectorwise_dequant.
-    data = getattr(weight, "CB", None)
-    data = weight.data if data is None else data
-    scales = weight.SCB  # type: ignore[attr-defined]
-    return data.float() * scales.float().view(-1, 1) * (1.0 / 127.0)
+    # After a first forward bitsandbytes keeps CB/SCB on the module's state, not the weight.
+    held = getattr(module, "state", None)
+    scales = getattr(weight, "SCB", None)
+    scales = scales if scales is not None else held.SCB  # type: ignore[union-attr]
+    return weight.data.float() * scales.float().view(-1, 1) * (1.0 / 127.0)
 
 
 def _mixed_class(cls: type, mixin: type, cache: dict[type, type]) -> type:

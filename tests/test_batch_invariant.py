@@ -87,3 +87,35 @@ def test_int8_speculation_reproduces_int8_greedy_on_wider_models(tokenizer, seed
     done = list(engine.generate(prompt, GenerationParams(max_new_tokens=48, draft_length=4)))[-1]
     assert done.stats.accepted > 0
     assert list(done.token_ids) == hf_greedy(target, prompt, 48)
+
+
+@pytest.mark.parametrize("precision", ["nf4", "int8"])
+def test_bitsandbytes_layers_compute_their_dequantized_weights_at_one_row_count(
+    tmp_path, tokenizer, precision
+):
+    pytest.importorskip("bitsandbytes")
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from specdec_core.batch_invariant import dequantize_bnb
+
+    native = arch_model("qwen2", len(tokenizer))
+    native.save_pretrained(tmp_path)
+    config = (
+        BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
+        if precision == "nf4"
+        else BitsAndBytesConfig(load_in_8bit=True)
+    )
+    quantized = AutoModelForCausalLM.from_pretrained(
+        tmp_path, quantization_config=config, device_map={"": "cpu"}
+    )
+    assert make_batch_invariant(quantized) is None
+    ids = torch.randint(0, len(tokenizer), (1, 24), generator=torch.Generator().manual_seed(2))
+    whole = logits_in_groups(quantized, ids, [0, 24])
+    assert torch.equal(whole, logits_in_groups(quantized, ids, [0, *range(18, 25)]))
+    # What it computes: the fp32 model with the dequantized weights.
+    layers = dict(quantized.named_modules())
+    with torch.no_grad():
+        for name, module in native.named_modules():
+            if isinstance(module, torch.nn.Linear) and name != "lm_head":
+                module.weight.copy_(dequantize_bnb(layers[name]))
+    torch.testing.assert_close(whole, logits_in_groups(native, ids, [0, 24]), rtol=0, atol=1e-3)
