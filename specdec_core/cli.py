@@ -138,6 +138,8 @@ def _generate(args: argparse.Namespace) -> int:
 
     params = generation_params(args)  # bad input fails before minutes of loading
     check_text(args.prompt, "--prompt")
+    if args.system:
+        check_text(args.system, "--system")
     if args.raw and not args.prompt:
         raise InvalidParameter("--prompt is empty: a --raw prompt needs at least one token")
     session = ChatSession()

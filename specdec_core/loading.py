@@ -235,7 +235,9 @@ def _load_weights(
     kwargs = _placement(device, precision, offload)
     kwargs["trust_remote_code"] = trust_remote_code
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True, **kwargs)
+        # With output_loading_info, from_pretrained returns (model, loading info).
+        loaded: Any = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True, **kwargs)
+        model, info = loaded
     except (torch.OutOfMemoryError, MemoryError) as exc:
         raise OutOfMemory(
             f"out of memory loading {ref} at {precision} on {device}; {_oom_hint(device, precision)}"

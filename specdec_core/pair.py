@@ -123,7 +123,10 @@ def load_draft(
 
 def make_engine(target: LoadedModel, drafter: Drafter) -> SpeculativeEngine:
     return SpeculativeEngine(
-        target.model, target.tokenizer, drafter, stop_token_ids=stop_token_ids(target.tokenizer, target.model)
+        target.model,
+        target.tokenizer,
+        drafter,
+        stop_token_ids=sorted(stop_token_ids(target.tokenizer, target.model)),
     )
 
 
