@@ -26,7 +26,7 @@ import dataclasses
 import logging
 import math
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -118,7 +118,7 @@ class ChatSession:
         """Load the target (once) and its drafter, check exactness; replaces what was loaded."""
         draft = DraftSpec.parse(spec.draft)  # a bad spec fails before anything is loaded
         self.release()
-        with _one_line_errors("loading the model", on_oom=self.release):
+        with _one_line_errors("loading the model", hint="try a smaller precision or a smaller model"):
             target = load_model(
                 spec.target,
                 device=spec.device,
@@ -142,10 +142,11 @@ class ChatSession:
                 drafter, draft_model = load_draft(draft, target)
             engine = make_engine(target, drafter)
             engine.speculation_enabled = self._speculation
-            self._pair = LoadedPair(target=target, draft=draft_model, engine=engine)
-            self._spec = spec
             check_cancelled(cancel)
             exactness = self._check_exactness(engine, progress)
+        # Only a load that got this far is kept: on any failure above, nothing is loaded.
+        self._pair = LoadedPair(target=target, draft=draft_model, engine=engine)
+        self._spec = spec
         self.info = self._describe(draft, warning, exactness)
         return self.info
 
@@ -160,7 +161,9 @@ class ChatSession:
         pair = self._require()
         spec = DraftSpec.parse(draft)
         trust = self._spec.trust_remote_code if self._spec else False
-        with _one_line_errors("loading the draft", on_oom=self._reset_caches):
+        with _one_line_errors(
+            "loading the draft", on_oom=self._reset_caches, hint="try n-gram or a smaller draft"
+        ):
             drafter, draft_model = load_draft(
                 spec, pair.target, trust_remote_code=trust, progress=progress, cancel=cancel
             )
@@ -361,8 +364,17 @@ def _rate_draft(target: LoadedModel, ref: str) -> Compatibility:
 
 
 @contextmanager
-def _one_line_errors(doing: str, on_oom: Any = None) -> Iterator[None]:
-    """Map every failure while `doing` to one `SpecdecError`; OOM after `on_oom()` cleaned up."""
+def _one_line_errors(
+    doing: str,
+    *,
+    on_oom: Callable[[], None] | None = None,
+    hint: str = "try a shorter conversation or a smaller precision (int8, nf4)",
+) -> Iterator[None]:
+    """Map every failure while `doing` to one `SpecdecError`.
+
+    Out of memory: `on_oom()` resets what the failed step left half-written, so the
+    session is usable again. Anything unexpected is an `InternalError` with its cause.
+    """
     try:
         yield
     except SpecdecError:
@@ -370,10 +382,8 @@ def _one_line_errors(doing: str, on_oom: Any = None) -> Iterator[None]:
     except (torch.OutOfMemoryError, MemoryError) as exc:
         if on_oom is not None:
             on_oom()
-        raise OutOfMemory(
-            f"out of memory while {doing}: try a shorter conversation, a smaller precision "
-            "(int8, nf4) or a smaller model; the session is still usable"
-        ) from exc
+            hint += "; the session is still usable"
+        raise OutOfMemory(f"out of memory while {doing}: {hint}") from exc
     except Exception as exc:
         log.debug("%s failed", doing, exc_info=True)
         text = str(exc).strip().splitlines()
