@@ -273,7 +273,12 @@ def rate_draft(target_ref: str, draft_ref: str) -> Compatibility:
 
     if draft_ref in MODEL_FREE_DRAFTS:
         return Compatibility(True, MODEL_FREE_DRAFTS[draft_ref], "builtin")
-    target_entry, draft_entry = load_catalog().get(target_ref), load_catalog().get(draft_ref)
+    target_folder, draft_folder = local_folder(target_ref), local_folder(draft_ref)
+    # A catalog model named by its folder (what a loader passes) is still that catalog model.
+    target_entry, draft_entry = (
+        catalog_entry_of(target_ref, target_folder),
+        catalog_entry_of(draft_ref, draft_folder),
+    )
     if target_entry is not None and draft_entry is not None and target_entry.vocab != draft_entry.vocab:
         return Compatibility(
             False,
@@ -281,7 +286,6 @@ def rate_draft(target_ref: str, draft_ref: str) -> Compatibility:
             f"pick a {target_entry.vocab} draft{_suggestion(target_entry)}",
             "catalog",
         )
-    target_folder, draft_folder = local_folder(target_ref), local_folder(draft_ref)
     if target_folder is not None and draft_folder is not None:
         return _rate_folders(target_folder, draft_folder)
     target_rows = _rows(target_folder, target_entry)
@@ -307,6 +311,30 @@ def _why_absent(ref: str) -> str:
     if load_catalog().get(ref) is not None:
         return f"is not downloaded yet: `specdec fetch {ref}`"
     return f"is not on this machine: `specdec fetch {ref}`"
+
+
+def catalog_entry_of(ref: str, folder: Path | None) -> ModelEntry | None:
+    """The catalog model `ref` names, or whose local copy `folder` is (a converted GGUF of
+    a pinned sha256, or a hub snapshot in the HF cache)."""
+    entry = load_catalog().get(ref)
+    if entry is not None or folder is None:
+        return entry
+    try:
+        converted_from = json.loads((folder / "specdec.json").read_text(encoding="utf-8")).get("sha256")
+    except (OSError, ValueError, AttributeError):
+        converted_from = None
+    repos = [
+        part[len("models--") :].replace("--", "/").lower()
+        for part in folder.parts
+        if part.startswith("models--")
+    ]
+    for entry in load_catalog().models:
+        pinned = getattr(entry.source, "sha256", None)
+        if (converted_from is not None and pinned == converted_from) or (
+            getattr(entry.source, "repo_id", "").lower() in repos
+        ):
+            return entry
+    return None
 
 
 def _rate_folders(target_folder: Path, draft_folder: Path) -> Compatibility:

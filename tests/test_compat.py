@@ -159,7 +159,9 @@ class VocabOnly:
 
 def test_only_added_tokens_count_as_end_of_turn_markers():
     # In Qwen's byte-level vocabulary "</s>" is an ordinary merge a model may write mid-answer.
-    tokenizer = VocabOnly({"</s>": 7, "<|endoftext|>": 8, "<|im_end|>": 9}, {"<|endoftext|>": 8, "<|im_end|>": 9}, "<|im_end|>")
+    tokenizer = VocabOnly(
+        {"</s>": 7, "<|endoftext|>": 8, "<|im_end|>": 9}, {"<|endoftext|>": 8, "<|im_end|>": 9}, "<|im_end|>"
+    )
     assert stop_tokens(tokenizer) == ["<|im_end|>", "<|endoftext|>"]
 
 
@@ -194,6 +196,21 @@ def test_rate_draft_refuses_catalog_models_of_another_tokenizer_family_and_names
         "catalog",
     )
     assert rate_draft(DEFAULT_TARGET, SMALL_MODEL).reason.startswith("smollm2 tokenizer")
+
+
+def test_a_catalog_model_named_by_its_folder_gets_the_verdict_of_its_name(tmp_path, tokenizer, empty_caches):
+    from huggingface_hub import constants as hub_constants
+
+    def cached(repo_id: str) -> str:  # a snapshot in the HF cache's layout
+        snapshot = (
+            Path(hub_constants.HF_HUB_CACHE) / f"models--{repo_id.replace('/', '--')}" / "snapshots" / "abc"
+        )
+        return str(write_folder(snapshot, tokenizer, 151936))
+
+    qwen25, qwen3 = cached("Qwen/Qwen2.5-7B-Instruct"), cached("Qwen/Qwen3-0.6B")
+    # Same tokenizer files on disk, but the catalog says these families never pair.
+    assert rate_draft(qwen25, qwen3) == rate_draft("qwen2.5-7b-instruct", "qwen3-0.6b")
+    assert not rate_draft(qwen25, qwen3).compatible
 
 
 def test_rate_draft_accepts_a_same_family_catalog_draft_before_download_pending_the_real_check(empty_caches):
