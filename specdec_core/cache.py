@@ -186,6 +186,25 @@ def _write_json_atomically(path: Path, data: object) -> None:
 # --- folders ---------------------------------------------------------------------------
 
 
+def hash_files(
+    paths: list[Path], *, label: str, progress: ProgressCallback | None = None,
+    cancel: threading.Event | None = None,
+) -> dict[Path, str]:  # fmt: skip
+    """Full-hash `paths`, reported as one progress bar over their total size."""
+    total = sum(path.stat().st_size for path in paths)
+    stage = f"Checking {label}"
+    digests, done = {}, 0
+    for path in paths:
+
+        def report(p: Progress, offset: int = done) -> None:
+            if progress is not None:
+                progress(Progress(stage, offset + p.done, total))
+
+        digests[path] = hash_file(path, label=label, progress=report, cancel=cancel)
+        done += path.stat().st_size
+    return digests
+
+
 def hash_folder(
     folder: Path,
     *,
@@ -193,20 +212,10 @@ def hash_folder(
     progress: ProgressCallback | None = None,
     cancel: threading.Event | None = None,
 ) -> dict[str, FileRecord]:
-    """Full-hash every file of `folder` (one level: what a conversion writes), as one progress bar."""
+    """Full-hash every file of `folder` (one level: what a conversion writes)."""
     files = sorted(path for path in folder.iterdir() if path.is_file())
-    total = sum(path.stat().st_size for path in files)
-    stage = f"Checking {label}"
-    records, done = {}, 0
-    for path in files:
-
-        def report(p: Progress, offset: int = done) -> None:
-            if progress is not None:
-                progress(Progress(stage, offset + p.done, total))
-
-        records[path.name] = FileRecord.of(path, hash_file(path, label=label, progress=report, cancel=cancel))
-        done += path.stat().st_size
-    return records
+    digests = hash_files(files, label=label, progress=progress, cancel=cancel)
+    return {path.name: FileRecord.of(path, digest) for path, digest in digests.items()}
 
 
 def damaged_files(
@@ -218,15 +227,14 @@ def damaged_files(
     A file whose size and mtime still match its record is trusted without reading it,
     unless `full`.
     """
-
-    def damaged(path: Path, record: FileRecord) -> bool:
-        if not path.is_file():
-            return True
-        if not full and record.still_describes(path):
-            return False
-        return hash_file(path, label=label, progress=progress, cancel=cancel) != record.sha256
-
-    return [name for name, record in records.items() if damaged(folder / name, record)]
+    missing = [name for name in records if not (folder / name).is_file()]
+    suspect = [
+        folder / name
+        for name, record in records.items()
+        if name not in missing and (full or not record.still_describes(folder / name))
+    ]
+    digests = hash_files(suspect, label=label, progress=progress, cancel=cancel)
+    return missing + [path.name for path, digest in digests.items() if digest != records[path.name].sha256]
 
 
 # --- faults --------------------------------------------------------------------------------

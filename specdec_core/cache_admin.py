@@ -66,9 +66,8 @@ def verify_cache(
         if names is not None and not _belongs_to(item, names):
             continue
         if item.kind == "converted":
-            ok = usable_conversion(
-                item.path, label=item.path.name, full=True, progress=progress, cancel=cancel
-            )
+            label = Path(str((read_marker(item.path) or {}).get("source", item.path.name))).name
+            ok = usable_conversion(item.path, label=label, full=True, progress=progress, cancel=cancel)
             results.append(VerifiedItem(item, ok is not None, "ok" if ok else "damaged: deleted"))
         elif item.kind == "gguf" and source is not None:
             results.append(_verify_one(item, item.path, source.sha256, progress, cancel))

@@ -226,7 +226,7 @@ def _verify(names: list[str], progress: TerminalProgress) -> bool:
         print(f"{'ok' if result.ok else 'DAMAGED'}\t{result.item.path}\t{result.detail}")
     damaged = sum(not r.ok for r in results)
     if damaged:
-        again = "fetching them again" if names else "they are fetched again when next used"
+        again = "fetching them again" if names else "they are made again when next used"
         print(f"specdec: {damaged} damaged item(s) deleted; {again}", file=sys.stderr)
     else:
         print(f"specdec: {len(results)} item(s) verified, all intact", file=sys.stderr)
