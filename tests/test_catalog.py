@@ -61,11 +61,18 @@ def test_the_default_target_recommends_the_default_draft_and_they_share_a_vocabu
     assert target.vocab == draft.vocab and "target" in target.roles and "draft" in draft.roles
 
 
-def test_every_recommended_draft_shares_its_targets_vocabulary_and_is_smaller():
+def test_every_recommended_draft_shares_its_targets_vocabulary_and_is_smaller(tmp_path, monkeypatch):
+    from huggingface_hub import constants as hub_constants
+
+    from specdec_core.compat import rate_draft
+
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "specdec-cache"))
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(tmp_path / "hf-hub"))
     catalog = load_catalog()
     for entry in catalog.models:
         for name in entry.recommended_drafts:
             draft = catalog.require(name)
+            assert rate_draft(entry.name, name).compatible, (entry.name, name)  # the one verdict agrees
             assert draft.vocab == entry.vocab, (entry.name, name)
             assert "draft" in draft.roles
             assert draft.size_bytes < entry.size_bytes * 1.5, (entry.name, name)
