@@ -90,6 +90,17 @@ class CostModel:
         return max(1e-9, mean_t + slope * (m - mean_m))
 
 
+def perfect_draft_pays(costs: CostModel, limit: int, draft_cost: float) -> bool:
+    """Would a draft that is always accepted beat a plain step, for some k <= limit?"""
+    plain = costs.verify_seconds(1)
+    if plain is None:
+        return True
+    return any(
+        (k + 1) / (k * draft_cost + (costs.verify_seconds(k + 1) or 0.0)) > 1.0 / plain
+        for k in range(1, limit + 1)
+    )
+
+
 class AcceptanceEstimate:
     """Online per-position acceptance with exponential forgetting and a shrinkage prior."""
 
@@ -149,6 +160,11 @@ class AcceptanceEstimate:
     def expected_tokens(self, k: int) -> float:
         return self.expected_curve(k)[k]
 
+    @property
+    def untried(self) -> bool:
+        """No verdict seen yet: the rate is the prior's guess, worth one try."""
+        return sum(self.trials) == 0.0
+
 
 class ConfidenceCalibration:
     """P(a draft token is accepted | the draft's top probability), learned per bin.
@@ -160,7 +176,7 @@ class ConfidenceCalibration:
 
     BINS = 10
 
-    def __init__(self, prior_weight: float = 4.0, decay: float = 0.995) -> None:
+    def __init__(self, prior_weight: float = 1.0, decay: float = 0.995) -> None:
         self.prior_weight = prior_weight
         self.decay = decay
         self.hits = [0.0] * self.BINS
@@ -193,10 +209,14 @@ class Prober:
         self._quick = False  # the last probe was fully accepted: probe again at once
         self._streak = 0
 
-    def plain_step(self) -> bool:
-        """Count one step that would be plain; True when it should be a probe instead."""
+    def plain_step(self, could_pay: bool = True) -> bool:
+        """Count one step that would be plain; True when it should be a probe instead.
+
+        `could_pay`: a perfect draft would beat a plain step at these costs; if not,
+        quick probes would only lose time, so they wait the full interval.
+        """
         self._streak += 1
-        if self._streak >= (1 if self._quick else self.every):
+        if self._streak >= (1 if self._quick and could_pay else self.every):
             self._streak = 0
             return True
         return False
@@ -266,7 +286,10 @@ class DraftLengthController:
         if rate > plain:
             self.prober.drafted()
             return k
-        if self.prober.plain_step():
+        if (
+            self.prober.plain_step(perfect_draft_pays(self.costs, limit, draft_cost))
+            or self.acceptance.untried
+        ):
             self._probing = True
             return k
         self.acceptance.age()

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .adaptive import AcceptanceEstimate, CostModel, Prober
+from .adaptive import AcceptanceEstimate, CostModel, Prober, perfect_draft_pays
 
 
 @dataclass(frozen=True)
@@ -101,12 +101,18 @@ class SourcePolicy:
         if rate > 1.0 / plain:
             self.prober.drafted()
             return best
-        if self.prober.plain_step():
+        could_pay = found > 0 or perfect_draft_pays(self.costs, budget, t_draft)
+        if self.prober.plain_step(could_pay) or self._untried(best, match_n):
             return Choice(best.lookup_tokens, best.model_tokens, probe=True)
         self.model.age()
         for estimate in self._lookup.values():
             estimate.age()
         return PLAIN
+
+    def _untried(self, choice: Choice, match_n: int) -> bool:
+        return (choice.model_tokens > 0 and self.model.untried) or (
+            choice.lookup_tokens > 0 and self.lookup(match_n).untried
+        )
 
     def observe(self, choice: Choice, match_n: int, proposed_model: int, accepted: int) -> None:
         """The verdict of a step drafted as `choice` (the model may have stopped early)."""

@@ -102,6 +102,17 @@ def test_after_a_bad_stretch_a_good_draft_resumes_within_a_few_plain_steps():
     assert choices.count(0) == last_plain + 1 <= c.probe_every
 
 
+def test_a_perfect_draft_too_costly_to_pay_is_not_probed_every_step():
+    # Always accepted, but a draft forward costs 1.5 target steps: quick re-probes would lose.
+    c = DraftLengthController(max_k=8, costs=CostModel(verify=dict(CPU_VERIFY), draft_token=0.15))
+    choices = []
+    for _ in range(64):
+        k = c.choose_k(drafter_is_model=True)
+        c.observe(k, k)
+        choices.append(k)
+    assert choices.count(0) >= 56
+
+
 @pytest.mark.parametrize("pinned", [None, 3])
 def test_max_draft_length_zero_means_plain_steps(tokenizer, target, pinned):
     c = DraftLengthController(max_k=0, pinned=pinned, costs=CostModel(verify={1: 0.1}))
@@ -145,6 +156,16 @@ def test_copied_tokens_have_one_hot_draft_distributions():
 # -- the engine with the policy: the output never changes ---------------------------------
 
 
+class FrozenCosts(CostModel):
+    """Scripted costs that real timings do not overwrite (decisions without timing)."""
+
+    def observe_verify(self, m: int, seconds: float) -> None:
+        pass
+
+    def observe_draft(self, forwards: int, seconds: float) -> None:
+        pass
+
+
 class SourceSpy:
     """Wraps a strategy and records the source of every draft it made."""
 
@@ -173,11 +194,27 @@ def test_policy_never_changes_greedy_output(tokenizer, target, draft, draft_cost
     model = tiny_model(len(tokenizer), seed=0) if draft == "same" else perturbed(target, 0.05)
     spy = SourceSpy(LookupThenModelDrafter(ModelDrafter(model, "d")))
     engine = SpeculativeEngine(target, tokenizer, spy)
-    engine.costs = CostModel(verify=dict(CPU_VERIFY), draft_token=draft_cost)
+    engine.costs = FrozenCosts(verify=dict(CPU_VERIFY), draft_token=draft_cost)
     prompt = tokenizer(REPETITIVE)["input_ids"]
     done = list(engine.generate(prompt, GenerationParams(max_new_tokens=40)))[-1]
     assert list(done.token_ids) == hf_greedy(target, prompt, 40)
     assert set(spy.sources) - {DraftSource.NONE}  # it drafted something
+
+
+def test_with_an_excellent_draft_the_policy_keeps_the_model_acceptance(tokenizer, target):
+    # The finding: lookup drafts tried first pulled acceptance down to 0.33 with a draft
+    # identical to the target, and lost to the model alone.
+    prompt = tokenizer(REPETITIVE)["input_ids"]
+    stats = {}
+    for name in ("model", "policy"):
+        model = ModelDrafter(tiny_model(len(tokenizer), seed=0), "same")
+        engine = SpeculativeEngine(
+            target, tokenizer, model if name == "model" else LookupThenModelDrafter(model)
+        )
+        engine.costs = FrozenCosts(verify=dict(CPU_VERIFY), draft_token=0.02)
+        stats[name] = list(engine.generate(prompt, GenerationParams(max_new_tokens=80)))[-1].stats
+    assert stats["policy"].acceptance_rate >= 0.9
+    assert stats["policy"].mean_accepted_length >= 0.9 * stats["model"].mean_accepted_length
 
 
 def test_model_draft_stops_early_when_confidence_is_too_low_to_pay(tokenizer, target):
