@@ -158,12 +158,10 @@ def _generate(args: argparse.Namespace) -> int:
         events = session.answer([Message("user", args.prompt)], system=args.system, params=params)
     tokens: list[dict[str, object]] = []
     done: DoneEvent | None = None
-    stops = session.engine.stop_token_ids
     for event in events:
         if isinstance(event, TokenEvent):
-            is_stop = getattr(event, "is_stop", event.token_id in stops)
             tokens.append({"id": event.token_id, "text": event.text, "source": event.source.value})
-            if not args.json and not is_stop:
+            if not args.json and not event.is_stop:  # a stop token is counted, never printed
                 sys.stdout.write(event.text)
                 sys.stdout.flush()
         elif isinstance(event, DoneEvent):
@@ -184,10 +182,7 @@ def _report(
     if args.json:
         prompt_ids = session.engine.target.ids[: stats.prompt_tokens] or []
         doc: dict[str, Any] = {"prompt_token_ids": list(prompt_ids), "tokens": tokens, "text": done.text}
-        doc["stats"] = stats.as_dict()
-        # The self-check's label travels with every result ("unchecked" when it did not run).
-        doc["stats"].setdefault("exactness", info.exactness.label if info.exactness else "unchecked")
-        doc["stats"].setdefault("max_logit_diff", info.exactness.max_logit_diff if info.exactness else None)
+        doc["stats"] = stats.as_dict()  # with the self-check's exactness label and max logit difference
         doc["target"] = {"ref": args.target, "device": info.device, "precision": info.precision}
         json.dump(doc, sys.stdout, ensure_ascii=False)
     sys.stdout.write("\n")

@@ -14,16 +14,22 @@ from pathlib import Path
 
 from .chat import stop_token_ids
 from .compat import rate_draft
-from .drafters import Drafter, LookupThenModelDrafter, ModelDrafter, NgramDrafter, NoDrafter
+from .drafters import MODEL_FREE_DRAFTS as MODEL_FREE_DRAFTS  # re-exported for front ends
+from .drafters import (
+    NGRAM,
+    NONE,
+    Drafter,
+    LookupThenModelDrafter,
+    ModelDrafter,
+    NgramDrafter,
+    NoDrafter,
+)
 from .engine import SpeculativeEngine
 from .errors import IncompatibleDraftError, InvalidParameter
 from .loading import LoadedModel, load_model, resolve_path
 from .progress import ProgressCallback
 
-NGRAM = "ngram"
-NONE = "none"
 MODEL = "model"
-MODEL_FREE_DRAFTS = (NGRAM, NONE)
 
 
 @dataclass(frozen=True)

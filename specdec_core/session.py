@@ -35,6 +35,7 @@ import torch
 
 from .chat import Message, encode_chat, encode_text
 from .compat import Compatibility, rate_draft
+from .drafters import NGRAM
 from .engine import GenerationParams, SpeculativeEngine
 from .errors import (
     ContextTooLong,
@@ -58,7 +59,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class LoadSpec:
     target: str
-    draft: str = "ngram"  # a model ref | "ngram" | "none"
+    draft: str = NGRAM  # a model ref | "ngram" | "none"
     device: str = "auto"
     precision: str = "auto"
     offload: bool = False  # device_map="auto" CPU offload on CUDA, opt-in
@@ -138,7 +139,7 @@ class ChatSession:
                     raise
                 # The target is fine: keep the chat usable with the model-free drafter.
                 warning = f"{exc}. Using n-gram instead."
-                draft = DraftSpec.parse("ngram")
+                draft = DraftSpec(NGRAM)
                 drafter, draft_model = load_draft(draft, target)
             engine = make_engine(target, drafter)
             engine.speculation_enabled = self._speculation
@@ -249,7 +250,7 @@ class ChatSession:
         with _one_line_errors("generating", on_oom=self._reset_caches):
             for event in engine.generate(prompt, params, cancel=cancel):
                 if isinstance(event, DoneEvent):
-                    event = self._finished(event, engine, capped)
+                    event = self._finished(event, capped)
                 yield event
 
     def _fit_context(self, prompt: list[int], params: GenerationParams) -> tuple[GenerationParams, bool]:
@@ -268,14 +269,13 @@ class ChatSession:
             return params, False
         return dataclasses.replace(params, max_new_tokens=room), True
 
-    def _finished(self, done: DoneEvent, engine: SpeculativeEngine, capped: bool) -> DoneEvent:
-        stats = done.stats
-        if capped and stats.stop_reason == "max_tokens":
-            stats = dataclasses.replace(stats, stop_reason="context_full")
-        text = _without_stop_suffix(done, engine)
-        if stats is done.stats and text == done.text:
-            return done
-        return dataclasses.replace(done, text=text, stats=stats)
+    def _finished(self, done: DoneEvent, capped: bool) -> DoneEvent:
+        """The final event, with `context_full` when the model's positions ended the answer."""
+        if capped and done.stats.stop_reason == "max_tokens":
+            return dataclasses.replace(
+                done, stats=dataclasses.replace(done.stats, stop_reason="context_full")
+            )
+        return done
 
     # -- helpers -------------------------------------------------------------------------
     def _require(self) -> LoadedPair:
@@ -348,14 +348,6 @@ def _is_int(value: object) -> bool:
 
 def _is_real(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _without_stop_suffix(done: DoneEvent, engine: SpeculativeEngine) -> str:
-    """DoneEvent.text without a final stop token's text (a no-op once the engine strips it)."""
-    if not done.token_ids or done.token_ids[-1] not in engine.stop_token_ids:
-        return done.text
-    stop_text = engine.tokenizer.decode([done.token_ids[-1]], skip_special_tokens=False)
-    return done.text[: -len(stop_text)] if stop_text and done.text.endswith(stop_text) else done.text
 
 
 def _rate_draft(target: LoadedModel, ref: str) -> Compatibility:
