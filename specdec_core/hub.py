@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 try:  # huggingface_hub 2.x talks HTTP through httpx2, 1.x through httpx
     from httpx2 import TransportError
 except ImportError:
-    from httpx import TransportError
+    from httpx import TransportError  # type: ignore[no-redef]
 
 from .cache import disk_full_error, is_disk_full
 from .errors import Cancelled, FetchError
