@@ -20,12 +20,11 @@ from dataclasses import asdict, dataclass
 from . import cache_admin, gguf_convert, hub
 from .catalog import DEFAULT_DRAFT, DEFAULT_TARGET, HubSource, ModelEntry, PackageIndexSource, load_catalog
 from .compat import rate_draft
+from .drafters import NGRAM
 from .errors import SpecdecError
 from .gguf_convert import sweep_stale_temporaries
 from .progress import TerminalProgress, human_bytes
 from .refs import entry_state, fetch_catalog_gguf, local_folder, resolve_model_ref
-
-NGRAM = "ngram"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from .catalog import ModelEntry, load_catalog
+from .drafters import NGRAM, NONE
 
 VOCAB_MAX_SIZE_DIFFERENCE = 128
 VOCAB_CHECK_START_TOKEN_ID = 5
@@ -71,9 +72,9 @@ class TokenizerLike(Protocol):
 
 
 # Draft specs that are not models: nothing to compare.
-MODEL_FREE_DRAFTS = {
-    "ngram": "model-free prompt lookup: works with every target",
-    "none": "no draft: the target alone",
+_MODEL_FREE_REASONS = {
+    NGRAM: "model-free prompt lookup: works with every target",
+    NONE: "no draft: the target alone",
 }
 
 
@@ -271,8 +272,8 @@ def rate_draft(target_ref: str, draft_ref: str) -> Compatibility:
     """
     from .refs import local_folder  # refs -> gguf_convert -> compat: imported when used
 
-    if draft_ref in MODEL_FREE_DRAFTS:
-        return Compatibility(True, MODEL_FREE_DRAFTS[draft_ref], "builtin")
+    if draft_ref in _MODEL_FREE_REASONS:
+        return Compatibility(True, _MODEL_FREE_REASONS[draft_ref], "builtin")
     target_folder, draft_folder = local_folder(target_ref), local_folder(draft_ref)
     # A catalog model named by its folder (what a loader passes) is still that catalog model.
     target_entry, draft_entry = (
