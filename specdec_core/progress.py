@@ -52,7 +52,7 @@ class TerminalProgress:
     WIDTH = 24
 
     def __init__(self, stream: TextIO | None = None, min_interval_s: float = 0.1):
-        self.stream = stream or sys.stderr
+        self._stream = stream
         self.interactive = self.stream.isatty()
         self.min_interval_s = min_interval_s
         self.bar: str | None = None
@@ -60,6 +60,11 @@ class TerminalProgress:
         self.start_done = 0
         self.last_draw = 0.0
         self.line_open = False  # a bar is drawn on the current line, without its newline yet
+
+    @property
+    def stream(self) -> TextIO:
+        # sys.stderr looked up at each write: a bar made at import time follows a redirection.
+        return self._stream or sys.stderr
 
     def __call__(self, p: Progress, detail: str = "") -> None:
         if p.notice:
