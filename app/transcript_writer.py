@@ -37,7 +37,7 @@ RUNS_PER_SLICE = 48  # a block with more runs than this yields in between
 LINES_PER_SLICE = 200  # the same for the lines of a long user message
 TOKENS_PER_LAYOUT = 256  # an answer is laid out this many tokens at a time
 PAD = 10  # inset of a message's text from the edges (and of the user's bubble)
-MESSAGE_GAP = 14  # space above each message's header
+MESSAGE_GAP = 14  # space under each message (a margin: the user's bubble does not cover it)
 
 Work = Iterator[None]  # a piece of writing, advanced one slice per next()
 
@@ -139,8 +139,8 @@ class TranscriptWriter:
 
     def write_header(self, cursor: QTextCursor, text: str, bubble: QColor | None = None) -> None:
         block = self._bubble_format(bubble)
-        block.setTopMargin(MESSAGE_GAP)
-        block.setBottomMargin(4)
+        if bubble is None:  # inside the bubble, margins would show as unpainted stripes
+            block.setBottomMargin(4)
         self.new_block(cursor, block)
         fmt = QTextCharFormat()
         fmt.setFontWeight(QFont.Weight.DemiBold)
@@ -160,8 +160,9 @@ class TranscriptWriter:
         self, cursor: QTextCursor, index: int, actions: list[tuple[str, str]], bubble: QColor | None = None
     ) -> None:
         block = self._bubble_format(bubble)
-        block.setTopMargin(4)
-        block.setBottomMargin(4)
+        if bubble is None:
+            block.setTopMargin(4)
+        block.setBottomMargin(MESSAGE_GAP)
         self.new_block(cursor, block)
         for n, (action, label) in enumerate(actions):
             if n:
