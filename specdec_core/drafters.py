@@ -207,6 +207,7 @@ class ModelDrafter:
         # The target's vocabulary size: a draft with extra rows never proposes ids
         # the target cannot score, and its q is padded to the target's V.
         self.vocab_size = vocab_size
+        self.rows: torch.Tensor | None = None  # the ids a truncated head scores (draft_vocab.py)
         self.costs = CostModel()
         self.controller = DraftLengthController()
         self.calibration = ConfidenceCalibration()
@@ -305,6 +306,9 @@ class ModelDrafter:
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         v = self.vocab_size
+        if self.rows is not None:  # a truncated head (draft_vocab.py): the other ids get q = 0
+            full = torch.full((v or int(self.rows.max()) + 1,), float("-inf"), dtype=logits.dtype)
+            return full.to(logits.device).index_copy_(0, self.rows.to(logits.device), logits)
         if v is None or logits.shape[-1] == v:
             return logits
         if logits.shape[-1] > v:
