@@ -9,8 +9,9 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import hub
 from .cache import cache_dir, converted_dir, downloads_dir, fetched_gguf_dir, verify_file
-from .catalog import PackageIndexSource, load_catalog
+from .catalog import HubSource, PackageIndexSource, load_catalog
 from .gguf_convert import is_converted, read_marker, usable_conversion
 from .progress import ProgressCallback
 
@@ -53,7 +54,8 @@ def verify_cache(
     names: set[str] | None = None, *, progress: ProgressCallback | None = None,
     cancel: threading.Event | None = None,
 ) -> list[VerifiedItem]:  # fmt: skip
-    """Re-hash every cached file in full (or those of the catalog models `names`); delete damaged ones.
+    """Re-hash every cached file in full (or those of the models `names`), the HF cache's
+    model snapshots included; delete damaged ones.
 
     This is the check for what the fast one cannot see: a file changed in place with its
     size and mtime kept (bit rot, a careless tool).
@@ -76,6 +78,39 @@ def verify_cache(
                 chunk = item.path / f"part{index:02d}.bin"
                 if chunk.is_file():
                     results.append(_verify_one(item, chunk, part.sha256, progress, cancel))
+    return results + _verify_hub_cache(names, progress, cancel)
+
+
+def _verify_hub_cache(
+    names: set[str] | None, progress: ProgressCallback | None, cancel: threading.Event | None
+) -> list[VerifiedItem]:
+    """The HF cache's model snapshots (all, or those `names` designate by catalog name or hub id)."""
+    wanted = None
+    if names is not None:
+        catalog_repos = {
+            e.source.repo_id
+            for e in load_catalog().models
+            if e.name in names and isinstance(e.source, HubSource)
+        }
+        wanted = {repo.lower() for repo in names | catalog_repos}
+    results = []
+    for model in hub.cached_models():
+        if wanted is not None and model.repo_id.lower() not in wanted:
+            continue
+        item = CacheItem("hub", model.path, model.size_bytes, model.repo_id)
+        damaged = hub.verify_snapshot(model.path, progress=progress, cancel=cancel)
+        if damaged is None:
+            results.append(
+                VerifiedItem(item, True, "not checked: the HF cache holds copies, not hash-named blobs")
+            )
+        elif damaged:
+            results.append(
+                VerifiedItem(
+                    item, False, f"damaged: {', '.join(damaged)} deleted; the next use downloads them"
+                )
+            )
+        else:
+            results.append(VerifiedItem(item, True, "ok"))
     return results
 
 

