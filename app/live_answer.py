@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from PySide6.QtGui import QTextCursor, QTextDocument
 
 from .conversations import StoredMessage, StoredToken
-from .markup import Block, LiveLayout, markdown_sections
+from .markup import Block, LiveLayout, markdown_sections, section_parts
 from .transcript_writer import TranscriptWriter, Work, run_all
 
 
@@ -27,9 +27,10 @@ class LiveAnswer:
         self.header = ""
         self.tokens: list[StoredToken] = []
         self._layout = LiveLayout()
-        self._drawn: list[Block] | list[str] = []  # what is drawn: blocks, or Markdown sections
+        self._drawn: list[Block] | list[Block | str] = []  # what is drawn: blocks, or plain parts
         self._starts: list[int] = []  # document position where each drawn part starts
         self._stable = 0  # leading drawn parts that can no longer change
+        self._final_sections: dict[str, list[Block | str]] = {}  # plain view: laid out once
 
     def begin(self, header: str) -> None:
         """Write the header at the end of the document (the tokens are kept, see `set_tokens`)."""
@@ -37,6 +38,7 @@ class LiveAnswer:
         self._writer.write_header(self._end_cursor(), header)
         self.active = True
         self._layout = LiveLayout()
+        self._final_sections = {}
         self._drawn, self._starts, self._stable = [], [], 0
 
     def set_tokens(self, tokens: Sequence[StoredToken]) -> None:
@@ -51,6 +53,7 @@ class LiveAnswer:
         self.active = False
         self.tokens = []
         self._layout = LiveLayout()
+        self._final_sections = {}
         self._drawn, self._starts, self._stable = [], [], 0
 
     def redraw(self) -> None:
@@ -66,9 +69,20 @@ class LiveAnswer:
             if self._writer.style.provenance:
                 self._update(self._layout.blocks(), self._layout.stable_count)
             else:
-                sections = markdown_sections(self._layout.text)
-                self._update(sections, max(0, len(sections) - 1))
+                self._update(*self._plain_parts())
             yield
+
+    def _plain_parts(self) -> tuple[list[Block | str], int]:
+        """The parts without tints, and how many are final: every section but the last
+        is, and its parts are kept instead of being laid out again."""
+        sections = markdown_sections(self._layout.text)
+        parts: list[Block | str] = []
+        for section in sections[:-1]:
+            if section not in self._final_sections:
+                self._final_sections[section] = section_parts(section)
+            parts += self._final_sections[section]
+        stable = len(parts)
+        return parts + (section_parts(sections[-1]) if sections else []), stable
 
     def finish(self, index: int, message: StoredMessage) -> Work:
         """Draw what is left, then the footer and links of message `index`; the drawing stays."""
@@ -80,7 +94,7 @@ class LiveAnswer:
         yield
 
     # -- drawing the difference ---------------------------------------------------------------
-    def _update(self, parts: list[Block] | list[str], stable: int) -> None:
+    def _update(self, parts: list[Block] | list[Block | str], stable: int) -> None:
         old = self._drawn
         same = min(self._stable, len(old), len(parts))
         while same < min(len(old), len(parts)) and old[same] == parts[same]:

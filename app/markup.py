@@ -236,25 +236,48 @@ def _inline(text: str, owner: Sequence[int] | None, start: int, end: int) -> lis
 
 
 def markdown_sections(text: str) -> list[str]:
-    """`text` cut at blank lines outside fenced code, so that each part can be rendered
-    (and a streaming answer re-rendered) on its own; joined with blank lines they
-    make `text` again, up to the number of blank lines between parts."""
+    """`text` cut at blank lines outside fenced code and around each fenced block, so that
+    each part can be rendered (and a streaming answer re-rendered) on its own; a fence
+    interrupts a paragraph in Markdown, so cutting there changes nothing."""
     sections: list[str] = []
     current: list[str] = []
     fence: str | None = None
+
+    def cut() -> None:
+        if current:
+            sections.append("\n".join(current))
+            current.clear()
+
     for line in text.split("\n"):
-        match = _FENCE.match(line)
         if fence is not None:
+            current.append(line)
             if line.strip().startswith(fence) and set(line.strip()) <= set(fence[0]):
                 fence = None
-        elif match:
-            fence = match.group(1)
-        elif not line.strip():
-            if current:
-                sections.append("\n".join(current))
-                current = []
+                cut()
             continue
-        current.append(line)
-    if current:
-        sections.append("\n".join(current))
+        match = _FENCE.match(line)
+        if match:
+            cut()
+            fence = match.group(1)
+            current.append(line)
+        elif not line.strip():
+            cut()
+        else:
+            current.append(line)
+    cut()
     return sections
+
+
+def section_parts(section: str) -> list[Block | str]:
+    """One Markdown section without token tints: fenced code is laid out as code blocks
+    (one per line, syntax-coloured like the tinted view, so a streaming code block
+    redraws only its last line); anything else stays Markdown for markdown-it."""
+    return layout(section) if _FENCE.match(section) else [section]
+
+
+def iter_plain_parts(text: str) -> Iterator[Block | str]:
+    for section in markdown_sections(text):
+        if _FENCE.match(section):
+            yield from iter_layout(section)
+        else:
+            yield section

@@ -28,7 +28,7 @@ from PySide6.QtGui import (
 
 from .conversations import StoredMessage, StoredToken
 from .highlight import Highlighter, Span
-from .markup import Block, LiveLayout, Run, markdown_sections
+from .markup import Block, LiveLayout, Run, iter_plain_parts
 from .theme import LIGHT_TINTS, Tints
 from .token_index import TokenIndex
 
@@ -91,8 +91,11 @@ class TranscriptWriter:
 
     def write_answer(self, cursor: QTextCursor, tokens: Sequence[StoredToken], text: str) -> Work:
         if not self.style.provenance or not tokens:
-            for section in markdown_sections(text):
-                self.write_markdown(cursor, section)
+            for part in iter_plain_parts(text):
+                if isinstance(part, Block):
+                    yield from self.write_block(cursor, part, ())
+                else:
+                    self.write_markdown(cursor, part)
                 yield
             return
         # Laid out a chunk of tokens at a time: an answer of any length costs each slice

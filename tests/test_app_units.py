@@ -185,11 +185,12 @@ def test_streaming_layout_equals_the_whole_layout_at_every_prefix():
         assert live.blocks()[: live.stable_count] == live.stable_blocks()
 
 
-def test_markdown_sections_split_at_blank_lines_but_never_inside_a_fence():
+def test_markdown_sections_split_at_blank_lines_and_around_fences_but_never_inside_one():
     from app.markup import markdown_sections
 
     text = "para one\nstill one\n\n```py\na = 1\n\nb = 2\n```\n\n\n- list"
     assert markdown_sections(text) == ["para one\nstill one", "```py\na = 1\n\nb = 2\n```", "- list"]
+    assert markdown_sections("Here:\n```py\nx\n```\nAfter") == ["Here:", "```py\nx\n```", "After"]
 
 
 def test_token_index_finds_tokens_by_position_and_forgets_a_cut_tail():
