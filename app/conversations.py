@@ -226,19 +226,25 @@ class ConversationStore:
         return valid_id(conversation_id) and self.path(conversation_id).is_file()
 
     def save(self, conversation: Conversation) -> None:
+        """Write atomically; ConversationError (the file on disk unchanged) when the disk refuses."""
         target = self.path(conversation.id)
         conversation.updated = time.time()
         text = json.dumps(conversation.to_json(), ensure_ascii=False, indent=1)
-        self.root.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=".json", dir=self.root)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=".json", dir=self.root)
+        except OSError as exc:
+            raise ConversationError(f"cannot save {target.name}: {exc.strerror or exc}") from exc
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as handle:
                 handle.write(text)
                 handle.flush()
                 os.fsync(handle.fileno())
             os.replace(tmp, target)
-        except BaseException:
+        except BaseException as exc:
             Path(tmp).unlink(missing_ok=True)
+            if isinstance(exc, OSError):
+                raise ConversationError(f"cannot save {target.name}: {exc.strerror or exc}") from exc
             raise
 
     def load(self, conversation_id: str) -> Conversation:

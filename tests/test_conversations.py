@@ -125,3 +125,20 @@ def test_a_round_trip_keeps_every_field_and_writes_the_file_name_as_id(store):
     again = store.load(conversation.id)
     assert again == conversation
     assert json.loads(store.path(conversation.id).read_text(encoding="utf-8"))["id"] == conversation.id
+
+
+def test_a_full_disk_is_one_line_and_keeps_the_saved_file(store, monkeypatch):
+    conversation = Conversation.new()
+    conversation.messages.append(StoredMessage("user", "kept"))
+    store.save(conversation)
+    before = store.path(conversation.id).read_bytes()
+    conversation.messages.append(StoredMessage("assistant", "lost to a full disk"))
+
+    def full(_fd: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(ConversationError, match=rf"cannot save {conversation.id}\.json: No space left on device$"):
+        store.save(conversation)
+    assert store.path(conversation.id).read_bytes() == before
+    assert [p.name for p in store.root.iterdir()] == [f"{conversation.id}.json"]  # no temp file left
