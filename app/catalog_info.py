@@ -1,9 +1,8 @@
 """What the model menus need from the catalog, tolerant of a catalog that is absent or broken.
 
-The catalog (issue 3) names models and groups them by tokenizer family (`vocab`).
-Before a draft is downloaded its tokenizer cannot be compared with the target's,
-so the family is the verdict; once both are local, `compat` has the final word
-(the worker checks local folders with the real tokenizers).
+The catalog names the models the menus offer. Whether a draft fits a target is not
+decided here: the one verdict is the core's (`ChatSession.rate_drafts`, from
+`compat.rate_draft`), which the worker sends to the draft menu.
 """
 
 from __future__ import annotations
@@ -11,7 +10,6 @@ from __future__ import annotations
 import logging
 
 from specdec_core import catalog as catalog_module
-from specdec_core.compat import Compatibility
 
 log = logging.getLogger(__name__)
 
@@ -35,18 +33,6 @@ def default_target() -> str:
 
 def default_draft() -> str:
     return catalog_module.DEFAULT_DRAFT
-
-
-def catalog_verdict(target_ref: str, draft_name: str) -> Compatibility | None:
-    """Draft compatibility from the catalog's tokenizer families; None when it cannot tell."""
-    draft = entry(draft_name)
-    target = entry(target_ref)
-    if draft is None or target is None:
-        return None  # decided by the real tokenizers once the draft is loaded
-    if draft.vocab != target.vocab:
-        return Compatibility(False, f"tokenizer {draft.vocab} vs the target's {target.vocab}")
-    recommended = " (recommended)" if draft.name in target.recommended_drafts else ""
-    return Compatibility(True, f"same tokenizer family {draft.vocab}{recommended}")
 
 
 def describe(name: str) -> str:

@@ -13,6 +13,7 @@ from PySide6.QtCore import QObject, Signal
 from PySide6.QtGui import QGuiApplication
 
 from specdec_core.chat import Message
+from specdec_core.events import DoneEvent, StepEvent, TokenEvent
 
 from .conversation_library import ConversationLibrary
 from .conversation_sidebar import ConversationSidebar
@@ -29,7 +30,7 @@ from .settings import AppSettings
 from .side_panel import SidePanel, answer_footer
 from .token_view import TokenView
 from .widgets import EditBanner, PromptBox
-from .worker import AnswerDone, CommittedToken, EngineWorker, GaugeUpdate, GenerateRequest
+from .worker import EngineWorker, GenerateRequest, StreamBatch
 
 
 class ChatController(QObject):
@@ -60,7 +61,7 @@ class ChatController(QObject):
         self.view, self.prompt_box, self.edit_banner, self.sidebar, self.side = parts
         self.conversation = Conversation.new(settings.system_prompt)
         self._generation: GenerateRequest | None = None
-        self._live: list[CommittedToken] = []  # every committed token, end-of-turn included
+        self._live: list[TokenEvent] = []  # every committed token, end-of-turn included
         self._live_shown: list[StoredToken] = []  # the ones the transcript shows
         self._editing: int | None = None
         self._send_when_ready = False
@@ -83,8 +84,7 @@ class ChatController(QObject):
         """Wire this controller to the worker (before the worker's thread starts)."""
         self._worker = worker
         self.generateRequested.connect(worker.generate)
-        worker.tokensCommitted.connect(self._on_tokens)
-        worker.gaugesUpdated.connect(self._on_gauges)
+        worker.streamed.connect(self._on_streamed)
         worker.answerDone.connect(self._on_answer_done)
         worker.generationFailed.connect(self._on_generation_failed)
 
@@ -165,33 +165,31 @@ class ChatController(QObject):
             self.send()
 
     # -- the live answer --------------------------------------------------------------------
-    def _on_tokens(self, batch: tuple[CommittedToken, ...]) -> None:
-        if self._generation is None:
+    def _on_streamed(self, batch: StreamBatch) -> None:
+        if self._generation is None or self._worker is None:
             return
-        self._take(batch)
+        self._live.extend(e for e in batch if isinstance(e, TokenEvent))
+        self._live_shown.extend(
+            StoredToken(e.text, e.source.value, e.step, e.target_prob, e.draft_prob)
+            for e in batch
+            if isinstance(e, TokenEvent) and not e.is_stop
+        )
         self.view.update_live(self._live_shown)
         self.answerProgressed.emit(len(self._live))
+        steps = [e for e in batch if isinstance(e, StepEvent)]
+        if steps:
+            pinned_k = self.side.generation.pinned_k()
+            self.side.gauges.show_update(steps[-1], pinned_k, self._worker.speculation_enabled)
 
-    def _take(self, batch: tuple[CommittedToken, ...]) -> None:
-        self._live.extend(batch)
-        self._live_shown.extend(
-            StoredToken(t.text, t.source, t.step, t.target_prob, t.draft_prob) for t in batch if not t.is_stop
-        )
-
-    def _on_gauges(self, update: GaugeUpdate) -> None:
-        if self._generation is not None:
-            self.side.gauges.show_update(update, self.side.generation.pinned_k())
-
-    def _on_answer_done(self, result: AnswerDone) -> None:
+    def _on_answer_done(self, done: DoneEvent) -> None:
         if self._generation is None:
             return
-        self._take(result.tokens)
-        stats = result.done.stats
+        stats = done.stats
         pair = self.models.pair
         footer = answer_footer(stats, pair.draft_name if pair and stats.drafter != "none" else "none")
         message = StoredMessage(
             "assistant",
-            result.text,
+            done.text,
             tokens=list(self._live_shown),
             footer=footer,
             stopped=stats.stop_reason == "cancelled",

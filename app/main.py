@@ -46,6 +46,8 @@ def window_from_args(args: argparse.Namespace) -> QMainWindow:
         device=args.device or "",
         precision=args.precision or "",
         theme=args.theme or "",
+        offload=getattr(args, "offload", False),
+        trust_remote_code=getattr(args, "trust_remote_code", False),
     )
     return MainWindow(options)
 
@@ -65,7 +67,11 @@ def run(args: argparse.Namespace) -> int:
     app = _application()
     window = window_from_args(args)
     window.show()
-    return int(app.exec())
+    code = int(app.exec())
+    from .worker import EngineThread
+
+    EngineThread.wait_all()  # a load cancelled at close may still be ending its chunk
+    return code
 
 
 def main() -> int:

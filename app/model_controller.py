@@ -1,8 +1,8 @@
 """Which models are loaded and which are loading: load, swap the draft, cancel.
 
 The one owner of the model state: the chosen target, draft, device and precision,
-the loaded pair (`PairInfo`, None while nothing is usable), the load in flight and
-the draft verdicts. It asks the `EngineWorker` for work through its request
+the loaded pair (the session's `SessionInfo`, None while nothing is usable), the
+load in flight and the draft verdicts (the session's, from `rate_drafts`). It asks the `EngineWorker` for work through its request
 signals (queued into the worker thread) and keeps the toolbar's menus and the
 load panel in step with the answers.
 """
@@ -14,22 +14,22 @@ from pathlib import Path
 from PySide6.QtCore import QObject, Signal
 
 from specdec_core.compat import Compatibility
+from specdec_core.session import SessionInfo
 
 from . import catalog_info
 from .model_toolbar import DRAFT_LABELS, ModelToolbar, short_ref
 from .settings import AppSettings
 from .widgets import LoadPanel
-from .worker import EngineWorker, LoadRequest, PairInfo
+from .worker import EngineWorker, LoadRequest
 
 
 class ModelController(QObject):
     # Requests to the worker (queued into its thread).
     loadRequested = Signal(object)  # LoadRequest
     swapDraftRequested = Signal(object)  # LoadRequest
-    checkDraftsRequested = Signal(object)  # list[str]
     # What happened.
     loadStarting = Signal()  # a new load replaces the pair: a running answer must stop
-    modelReady = Signal(object)  # PairInfo
+    modelReady = Signal(object)  # SessionInfo
     stateChanged = Signal()  # loading began or ended
     draftMenuUpdated = Signal()
     errorRaised = Signal(str)
@@ -48,7 +48,10 @@ class ModelController(QObject):
         self.toolbar = toolbar
         self.load_panel = load_panel
         self.target, self.draft, self.device, self.precision = models
-        self.pair: PairInfo | None = None
+        # Asked for on the command line for this run only: never saved in the settings.
+        self.offload = False
+        self.trust_remote_code = False
+        self.pair: SessionInfo | None = None
         self._loading: LoadRequest | None = None
         self._verdicts: dict[str, Compatibility] = {}
         self._worker: EngineWorker | None = None
@@ -63,7 +66,6 @@ class ModelController(QObject):
         self._worker = worker
         self.loadRequested.connect(worker.load)
         self.swapDraftRequested.connect(worker.swap_draft)
-        self.checkDraftsRequested.connect(worker.check_drafts)
         worker.loadProgress.connect(self.load_panel.show_progress)
         worker.loaded.connect(self._on_loaded)
         worker.loadFailed.connect(self._on_load_failed)
@@ -89,7 +91,7 @@ class ModelController(QObject):
         self.draft = self.draft if draft is None else draft
         self.pair = None
         self.fill_menus()
-        request = LoadRequest(self.target, self.draft, self.device, self.precision)
+        request = self._request(self.draft)
         self._begin_loading(request)
         self.loadRequested.emit(request)
 
@@ -97,6 +99,17 @@ class ModelController(QObject):
         if self._loading is not None and self._worker is not None:
             self._worker.cancel_load(self._loading)
             self.load_panel.stage.setText("Cancelling…")
+
+    def _request(self, draft: str) -> LoadRequest:
+        return LoadRequest(
+            self.target,
+            draft,
+            self.device,
+            self.precision,
+            self.offload,
+            self.trust_remote_code,
+            tuple(self.draft_candidates()),
+        )
 
     def _begin_loading(self, request: LoadRequest) -> None:
         self._loading = request
@@ -120,7 +133,7 @@ class ModelController(QObject):
         if self.pair is None:
             self.request_load(self.target, spec)
             return
-        request = LoadRequest(self.target, spec, self.device, self.precision)
+        request = self._request(spec)
         self._begin_loading(request)
         self.swapDraftRequested.emit(request)  # the target stays loaded
 
@@ -132,7 +145,7 @@ class ModelController(QObject):
         self.request_load()
 
     # -- answers from the worker ------------------------------------------------------------
-    def _on_loaded(self, info: PairInfo) -> None:
+    def _on_loaded(self, info: SessionInfo) -> None:
         self._loading = None
         self.pair = info
         self.target, self.draft = info.target, info.draft
@@ -145,7 +158,6 @@ class ModelController(QObject):
         if info.warning:
             self.errorRaised.emit(info.warning)
         self.fill_menus()
-        self.checkDraftsRequested.emit(self.draft_candidates())
         self.stateChanged.emit()
         self.modelReady.emit(info)
 

@@ -19,11 +19,11 @@ from PySide6.QtWidgets import (
 )
 
 from specdec_core.engine import GenerationParams
+from specdec_core.events import StepEvent
 from specdec_core.stats import GenerationStats
 
 from .gauges import Gauge, Sparkline
 from .settings import AppSettings
-from .worker import GaugeUpdate
 
 MAX_PINNED_K = 12
 
@@ -42,6 +42,8 @@ def answer_footer(stats: GenerationStats, draft_name: str) -> str:
     parts.append(f"{stats.new_tokens} tokens")
     if stats.stop_reason == "cancelled":
         parts.append("stopped")
+    elif stats.stop_reason == "context_full":
+        parts.append("stopped: the model's context is full")
     return " · ".join(parts)
 
 
@@ -70,6 +72,11 @@ class GaugePanel(QWidget):
         self.footer.setWordWrap(True)
         self.footer.setMinimumHeight(self.footer.fontMetrics().height() * 3)
         self.footer.setAlignment(Qt.AlignmentFlag.AlignTop | Qt.AlignmentFlag.AlignLeft)
+        self.exactness = QLabel("", objectName="exactnessLabel")  # the loaded pair's self-check
+        self.exactness.setWordWrap(True)
+        self.exactness.setToolTip(
+            "Checked when the model loaded: a k-token verify compared with k plain target steps"
+        )
 
         grid = QGridLayout()
         grid.addWidget(self.tokens_per_second, 0, 0)
@@ -87,6 +94,7 @@ class GaugePanel(QWidget):
         layout.addLayout(grid)
         layout.addWidget(self.sparkline)
         layout.addWidget(self.footer)
+        layout.addWidget(self.exactness)
         self.speedup.setToolTip(
             "Measured speedup against the target alone (timed on this machine); "
             "the tick is the theoretical speedup for the measured acceptance and cost ratio"
@@ -100,12 +108,13 @@ class GaugePanel(QWidget):
         self.current_k.setText("–")
         self.bound.setText("–")
 
-    def show_update(self, update: GaugeUpdate, pinned_k: int | None) -> None:
+    def show_update(self, update: StepEvent, pinned_k: int | None, speculating: bool) -> None:
+        """The running figures after a verify step (the engine's, never recomputed here)."""
         self.tokens_per_second.set_value(update.tokens_per_second)
         self.acceptance.set_value(update.acceptance_rate)
         self.speedup.set_value(update.measured_speedup, marker=update.theoretical_speedup)
         self.mean_length.setText(f"{update.mean_accepted_length:.2f}")
-        if not update.speculating:
+        if not speculating:
             self.current_k.setText("off")
         else:
             self.current_k.setText(f"{update.k} · {'pinned' if pinned_k is not None else 'auto'}")

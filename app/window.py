@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import qtawesome as qta
-from PySide6.QtCore import QByteArray, QThread, Signal
+from PySide6.QtCore import QByteArray, Signal
 from PySide6.QtGui import QAction, QActionGroup, QCloseEvent, QGuiApplication, QKeySequence
 from PySide6.QtWidgets import (
     QApplication,
@@ -27,6 +27,8 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from specdec_core.session import SessionInfo
+
 from . import catalog_info, highlight, theme
 from .chat_controller import ChatController
 from .conversation_sidebar import ConversationSidebar
@@ -37,7 +39,11 @@ from .settings import AppSettings
 from .side_panel import SidePanel
 from .token_view import TokenView
 from .widgets import EditBanner, ErrorBanner, LoadPanel, PromptBox, ProvenanceLegend, SystemPromptDialog
-from .worker import EngineWorker, PairInfo
+from .worker import EngineThread, EngineWorker
+
+SPECULATION_TIP = (
+    "Speculative decoding on/off (Ctrl+Shift+S); applies from the next step of the running answer"
+)
 
 
 @dataclass(frozen=True)
@@ -49,6 +55,8 @@ class ChatOptions:
     device: str = ""
     precision: str = ""
     theme: str = ""
+    offload: bool = False  # this run only, like trust_remote_code: never remembered
+    trust_remote_code: bool = False
 
 
 def initial_models(options: ChatOptions, settings: AppSettings) -> tuple[str, str, str, str]:
@@ -68,7 +76,7 @@ def initial_models(options: ChatOptions, settings: AppSettings) -> tuple[str, st
 
 class MainWindow(QMainWindow):
     # What happened, for tests and anyone embedding the window.
-    modelReady = Signal(object)  # PairInfo
+    modelReady = Signal(object)  # SessionInfo
     draftMenuUpdated = Signal()
     answerProgressed = Signal(int)  # tokens of the streaming answer received so far
     answerFinished = Signal(object)  # StoredMessage
@@ -84,16 +92,19 @@ class MainWindow(QMainWindow):
         self.setWindowIcon(theme.app_icon())
         highlight.warm_up()
         self._build_parts(initial_models(options, self.settings))
+        self.models.offload, self.models.trust_remote_code = options.offload, options.trust_remote_code
         self._build_actions()
         self._build_menus()
         self._layout()
         self._connect_parts()
-        self._start_worker()
+        self._make_worker()
         self._apply_theme()
         QGuiApplication.styleHints().colorSchemeChanged.connect(self._on_system_scheme)
         self._restore_geometry()
         self.chat.reopen_last_conversation()
-        self.models.request_load()
+        self.models.request_load()  # queued: the worker takes it once its thread runs
+        # Last: a window that failed to build must not leave a running thread behind.
+        self.engine_thread.start()
 
     # ================================================================ construction
     def _build_parts(self, models: tuple[str, str, str, str]) -> None:
@@ -126,9 +137,7 @@ class MainWindow(QMainWindow):
         self.speculation_action.setObjectName("speculationToggle")
         self.speculation_action.setCheckable(True)
         self.speculation_action.setChecked(self.settings.speculation)
-        self.speculation_action.setToolTip(
-            "Speculative decoding on/off (Ctrl+Shift+S); applies from the next step of the running answer"
-        )
+        self.speculation_action.setToolTip(SPECULATION_TIP)
         self.provenance_action = self._action("Show provenance", "mdi6.palette-outline", "Ctrl+Shift+P")
         self.provenance_action.setObjectName("provenanceToggle")
         self.provenance_action.setCheckable(True)
@@ -215,6 +224,7 @@ class MainWindow(QMainWindow):
 
     def _connect_parts(self) -> None:
         models, chat = self.models, self.chat
+        models.modelReady.connect(self._show_exactness)
         models.modelReady.connect(self.modelReady)
         models.draftMenuUpdated.connect(self.draftMenuUpdated)
         models.errorRaised.connect(self.show_error)
@@ -229,20 +239,16 @@ class MainWindow(QMainWindow):
         chat.refresh_list()
         chat.update_controls()
 
-    def _start_worker(self) -> None:
-        self.engine_thread = QThread(self)
-        self.engine_thread.setObjectName("specdec-engine")
+    def _make_worker(self) -> None:
         self.worker = EngineWorker()
-        self.worker.moveToThread(self.engine_thread)
-        self.engine_thread.finished.connect(self.worker.deleteLater)
+        self.engine_thread = EngineThread(self.worker)
         self.models.attach(self.worker)
         self.chat.attach(self.worker)
         self.worker.set_speculation(self.speculation_action.isChecked())
-        self.engine_thread.start()
 
     # ================================================================ the seams tests and embedders use
     @property
-    def pair(self) -> PairInfo | None:
+    def pair(self) -> SessionInfo | None:
         return self.models.pair
 
     @property
@@ -275,6 +281,12 @@ class MainWindow(QMainWindow):
         self.stop_action.setEnabled(generating)
         self.regenerate_action.setEnabled(self.chat.can_send() and bool(self.chat.conversation.messages))
         self.toolbar.set_menus_enabled(not generating)
+
+    def _show_exactness(self, info: SessionInfo) -> None:
+        """The self-check's verdict on the loaded pair, under the gauges and on the toggle."""
+        label = f"Exactness: {info.exactness.summary() if info.exactness else 'not checked'}"
+        self.side.gauges.exactness.setText(label)
+        self.speculation_action.setToolTip(f"{SPECULATION_TIP}\n{label}")
 
     def _on_speculation_toggled(self, on: bool) -> None:
         self.worker.set_speculation(on)  # thread-safe: read by the engine at its next step
@@ -342,8 +354,6 @@ class MainWindow(QMainWindow):
         super().closeEvent(event)
 
     def shutdown(self) -> None:
-        """Cancel whatever runs, stop the engine thread and wait for it (one step at most)."""
-        self.worker.cancel_everything()
-        self.engine_thread.quit()
-        self.engine_thread.wait()
+        """Cancel whatever runs and let the engine thread end on its own: never waits long."""
+        self.engine_thread.wind_down()
         self.chat.shutdown()

@@ -27,6 +27,7 @@ from app.settings import AppSettings
 from app.token_view import TOKEN_SOURCE, token_tooltip
 from specdec_core import cli
 from specdec_core.compat import check_folders
+from specdec_core.errors import Cancelled
 
 LOAD_TIMEOUT_MS = 120_000  # generous: a loaded 2-core CI machine imports and loads slowly
 ANSWER_TIMEOUT_MS = 120_000
@@ -94,7 +95,7 @@ class PausedWorker:
         window.releases.append(self.release_event)
         self.first_step: int | None = None
         # Direct: runs in the worker thread; the window's queued delivery was posted first.
-        window.worker.tokensCommitted.connect(self._hold, Qt.ConnectionType.DirectConnection)
+        window.worker.streamed.connect(self._hold, Qt.ConnectionType.DirectConnection)
 
     def _hold(self, batch) -> None:
         if self.first_step is None and batch:
@@ -153,6 +154,8 @@ def test_answer_is_tinted_hoverable_and_equals_specdec_generate(qtbot, open_wind
         reference["stats"]["accepted"] / reference["stats"]["proposed"]
     )
     assert window.gauges.speedup.value() > 0 and window.gauges.tokens_per_second.value() > 0
+    exactness = window.findChild(object, "exactnessLabel").text()
+    assert exactness.startswith("Exactness: ") and exactness in window.speculation_action.toolTip()
 
     # Hovering a tinted character finds its token; the tooltip names step and source.
     view = window.view
@@ -237,7 +240,7 @@ def test_draft_menu_disables_an_incompatible_tokenizer_with_its_reason(qtbot, op
     os.environ["SPECDEC_DATA_DIR"] = str(tmp_path / "data")  # same as the fixture's, set before it
     AppSettings().remember_model(models["other"])
     window = open_window("--target", models["target"], "--draft", models["near"], wait=False)
-    with qtbot.waitSignal(window.draftMenuUpdated, timeout=LOAD_TIMEOUT_MS):
+    with qtbot.waitSignals([window.draftMenuUpdated, window.modelReady], timeout=LOAD_TIMEOUT_MS):
         pass
     entries = {ref: (label, enabled, tip) for label, ref, enabled, tip in window.draft_menu_entries()}
     reason = check_folders(models["target"], models["other"]).reason
@@ -372,3 +375,30 @@ def test_regenerate_and_edit_and_resend_replace_what_followed(qtbot, open_window
     assert not window.edit_banner.isVisible()
     assert window.view.message_count() == 4 and "edited question" in window.view.toPlainText()
     assert "second question" not in window.view.toPlainText()
+
+
+def test_closing_during_a_long_load_returns_at_once_and_cancels_it(qtbot, open_window, models):
+    """A first-use conversion ends its current chunk before it sees the cancel: closing hides the
+    window and returns without waiting for it; the engine thread ends on its own once it has."""
+    window = open_window("--target", models["target"], "--draft", "ngram")
+    entered, chunk_done = threading.Event(), threading.Event()
+    window.releases.append(chunk_done)
+    saw_cancel: list[bool] = []
+
+    def converting(spec, *, progress=None, cancel=None):
+        entered.set()
+        saw_cancel.append(cancel.wait(60))
+        chunk_done.wait(60)
+        raise Cancelled("conversion cancelled: the finished chunks are kept")
+
+    window.worker.session.load = converting
+    window.models.request_load(models["near"], "ngram")
+    assert entered.wait(60)
+    clock = QElapsedTimer()
+    clock.start()
+    window.close()
+    assert clock.elapsed() < 500, f"close() blocked the UI thread {clock.elapsed()} ms"
+    assert not window.isVisible() and not window.engine_thread.isFinished()
+    with qtbot.waitSignal(window.engine_thread.finished, timeout=LOAD_TIMEOUT_MS):
+        chunk_done.set()
+    assert saw_cancel == [True]
