@@ -148,6 +148,8 @@ def _generate(args: argparse.Namespace) -> int:
     info = session.load(load_spec(args, draft_fallback=False), progress=progress)
     progress.close()
     print(f"specdec: target on {info.description}, draft {info.draft_name}", file=sys.stderr)
+    if info.exactness is not None:
+        print(f"specdec: exactness: {info.exactness.summary()}", file=sys.stderr)
     if info.warning:
         print(f"specdec: warning: {info.warning}", file=sys.stderr)
     if not args.no_calibrate and params.draft_length is None:
