@@ -284,12 +284,11 @@ class ChatSession:
         return self._pair
 
     def _reset_caches(self) -> None:
+        """Empty both KV caches: a forward that failed midway may have written part of its step."""
         pair = self._pair
         if pair is not None:
             pair.engine.target.reset()
             pair.engine.drafter.reset()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
 
     def _check_exactness(
         self, engine: SpeculativeEngine, progress: ProgressCallback | None
@@ -375,6 +374,8 @@ def _one_line_errors(
         if on_oom is not None:
             on_oom()
             hint += "; the session is still usable"
+        if torch.cuda.is_available():  # hand back what the failed step had allocated
+            torch.cuda.empty_cache()
         raise OutOfMemory(f"out of memory while {doing}: {hint}") from exc
     except Exception as exc:
         log.debug("%s failed", doing, exc_info=True)
