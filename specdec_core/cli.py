@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 import traceback
 from collections.abc import Sequence
@@ -142,6 +143,9 @@ def _generate(args: argparse.Namespace) -> int:
         check_text(args.system, "--system")
     if args.raw and not args.prompt:
         raise InvalidParameter("--prompt is empty: a --raw prompt needs at least one token")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # the weights' bar: ours is the one terminal bar
     session = ChatSession()
     # A draft that does not fit is refused here, not replaced: the run asked for it.
     progress = TerminalProgress()
@@ -255,12 +259,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _quiet_transformers() -> None:
-    """transformers' own warnings, load reports and progress bars are not ours to print:
-    what matters reaches the user as one of our lines."""
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
+    """transformers' own warnings and load reports are not ours to print: what matters
+    reaches the user as one of our lines. Read by transformers when it is first imported,
+    so `specdec --help` imports nothing heavy for it."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
 if __name__ == "__main__":
