@@ -13,19 +13,21 @@ Protocol: `python -m specdec_core.conversion_process GGUF OUT_DIR`, lines on std
     specdec-convert: saving                  writing the folder
     specdec-convert: error ONE LINE          a failure the user can act on; exit code 2
 
-Any other failure is a bug: a traceback on stderr and exit code 1. The child exits as
-soon as its stdin closes (the parent died, even by SIGKILL), so no orphan keeps
-writing into the cache.
+Any other failure is a bug: a traceback on stderr and exit code 1, reported to the user
+as an `InternalError` (exit code 1 in the CLI). A child killed by a signal (the kernel's
+OOM killer) is reported as such. The child exits as soon as its stdin closes (the
+parent died, even by SIGKILL), so no orphan keeps writing into the cache.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import threading
 from pathlib import Path
 
-from .errors import ModelLoadError
+from .errors import InternalError, ModelLoadError
 from .fetch import run_streaming
 from .progress import Progress, ProgressCallback
 
@@ -58,18 +60,28 @@ def convert_in_child(
         elif words[0] == "saving":
             report(Progress(f"Saving the converted {label}", 0, 0))
 
-    command = [sys.executable, "-m", "specdec_core.conversion_process", str(gguf_path), str(out_dir)]
-    returncode, lines = run_streaming(command, cancel, on_line=on_line, keep_stdin_open=True)
+    returncode, lines = run_streaming(
+        child_command(gguf_path, out_dir), cancel, on_line=on_line, keep_stdin_open=True
+    )
     if returncode == 0:
         return
     errors = [line.removeprefix(PREFIX + "error ") for line in lines if line.startswith(PREFIX + "error ")]
     if errors:
         raise ModelLoadError(errors[-1])
+    if returncode < 0:  # killed by a signal: SIGKILL from the kernel's OOM killer, most often
+        name = signal.Signals(-returncode).name
+        raise ModelLoadError(
+            f"the conversion of {gguf_path.name} was killed by {name} (out of memory?): it holds every "
+            "weight in fp32 at once; close other programs and run again"
+        )
     last = next((line for line in reversed(lines) if line.strip()), "no output")
-    raise ModelLoadError(
-        f"converting {gguf_path.name} failed unexpectedly (exit code {returncode}): {last.strip()}; "
-        "please report this"
+    raise InternalError(
+        f"converting {gguf_path.name} failed unexpectedly (exit code {returncode}): {last.strip()}; please report this"
     )
+
+
+def child_command(gguf_path: Path, out_dir: Path) -> list[str]:
+    return [sys.executable, "-m", "specdec_core.conversion_process", str(gguf_path), str(out_dir)]
 
 
 # --- the child -------------------------------------------------------------------------

@@ -395,10 +395,40 @@ def test_a_conversion_killed_midway_leaves_nothing_trusted_and_its_folder_is_swe
     assert sorted(p.name for p in converted_dir().iterdir()) == [folder.name]
 
 
-# --- cancel means cancel ----------------------------------------------------------------------
+# --- cancel means cancel; a crashing conversion child ------------------------------------
+# A stand-in child speaks the conversion protocol without importing torch (the real child is
+# run by test_gguf_convert's real conversion).
+
+FAKE_CONVERTER = """
+import os, signal, sys, threading
+from pathlib import Path
+out, behaviour = Path(sys.argv[2]), sys.argv[3]
+(out / "model.safetensors").write_bytes(b"half a model")
+(out.parent / "child.pid").write_text(str(os.getpid()))
+if behaviour == "crash":
+    print("Traceback (most recent call last):\\nRuntimeError: boom", flush=True)
+    sys.exit(1)
+if behaviour == "oom":
+    os.kill(os.getpid(), signal.SIGKILL)
+print("specdec-convert: progress 1 40", flush=True)
+threading.Event().wait()
+"""
 
 
-def test_cancelling_a_real_conversion_stops_the_child_mid_tensors_and_keeps_nothing(tiny_gguf):
+@pytest.fixture
+def fake_child(monkeypatch):
+    def use(behaviour: str) -> None:
+        monkeypatch.setattr(
+            conversion_process,
+            "child_command",
+            lambda gguf, out: [sys.executable, "-c", FAKE_CONVERTER, str(gguf), str(out), behaviour],
+        )
+
+    return use
+
+
+def test_cancel_stops_the_conversion_child_mid_tensors_and_keeps_nothing(tiny_gguf, fake_child):
+    fake_child("hang")
     cancel = threading.Event()
     stages = []
 
@@ -409,8 +439,27 @@ def test_cancelling_a_real_conversion_stops_the_child_mid_tensors_and_keeps_noth
 
     with pytest.raises(Cancelled):
         convert_gguf(tiny_gguf, progress=progress, cancel=cancel)
-    assert any(e.unit == "tensors" for e in stages)
-    assert list(converted_dir().iterdir()) == []
+    assert [e.done for e in stages if e.unit == "tensors"] == [1]
+    with pytest.raises(ProcessLookupError):  # stopped and reaped, not left running
+        os.kill(int((converted_dir() / "child.pid").read_text()), 0)
+    assert [p.name for p in converted_dir().iterdir()] == ["child.pid"]  # no half folder
+
+
+def test_a_conversion_child_that_crashes_is_one_line_exit_1_asking_for_a_report(
+    tmp_path, capsys, tiny_gguf, fake_child
+):
+    fake_child("crash")
+    code, line = run_cli(capsys, "fetch", str(tiny_gguf))
+    assert code == 1
+    assert line.endswith("failed unexpectedly (exit code 1): RuntimeError: boom; please report this"), line
+    assert not any(converted_dir().glob(".tmp-*"))
+
+
+def test_a_conversion_child_killed_by_the_system_says_so_exit_2(tmp_path, capsys, tiny_gguf, fake_child):
+    fake_child("oom")
+    code, line = run_cli(capsys, "fetch", str(tiny_gguf))
+    assert code == 2 and "was killed by SIGKILL (out of memory?)" in line, line
+    assert not any(converted_dir().glob(".tmp-*"))
 
 
 # --- the HF cache's snapshots --------------------------------------------------------------
