@@ -20,6 +20,17 @@ check_requirements()
 
 _EXPORTS = {
     "ChatSession": "session",
+    "check_params": "session",
+    "DEVICES": "loading",
+    "PRECISIONS": "loading",
+    "Compatibility": "compat",
+    "rate_draft": "compat",
+    "Progress": "progress",
+    "ProgressCallback": "progress",
+    "Cancelled": "errors",
+    "ContextTooLong": "errors",
+    "InternalError": "errors",
+    "OutOfMemory": "errors",
     "LoadSpec": "session",
     "SessionInfo": "session",
     "DraftSpec": "pair",
@@ -44,38 +55,52 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "DEVICES",
+    "PRECISIONS",
+    "Cancelled",
     "ChatSession",
+    "Compatibility",
+    "ContextTooLong",
     "DoneEvent",
     "DraftSpec",
     "Drafter",
     "Event",
     "GenerationParams",
     "GenerationStats",
+    "InternalError",
     "LoadSpec",
     "Message",
     "ModelDrafter",
     "NgramDrafter",
     "NoDrafter",
+    "OutOfMemory",
     "PrefillEvent",
+    "Progress",
+    "ProgressCallback",
     "SessionInfo",
     "Source",
     "SpecdecError",
     "SpeculativeEngine",
     "StepEvent",
     "TokenEvent",
+    "check_params",
     "encode_chat",
+    "rate_draft",
     "stop_token_ids",
     "theoretical_speedup",
 ]
 
 if TYPE_CHECKING:
     from .chat import Message, encode_chat, stop_token_ids
+    from .compat import Compatibility, rate_draft
     from .drafters import Drafter, ModelDrafter, NgramDrafter, NoDrafter
     from .engine import GenerationParams, SpeculativeEngine
-    from .errors import SpecdecError
+    from .errors import Cancelled, ContextTooLong, InternalError, OutOfMemory, SpecdecError
     from .events import DoneEvent, Event, PrefillEvent, Source, StepEvent, TokenEvent
+    from .loading import DEVICES, PRECISIONS
     from .pair import DraftSpec
-    from .session import ChatSession, LoadSpec, SessionInfo
+    from .progress import Progress, ProgressCallback
+    from .session import ChatSession, LoadSpec, SessionInfo, check_params
     from .stats import GenerationStats, theoretical_speedup
 
 

@@ -14,7 +14,6 @@ from pathlib import Path
 
 from .chat import stop_token_ids
 from .compat import rate_draft
-from .drafters import MODEL_FREE_DRAFTS as MODEL_FREE_DRAFTS  # re-exported for front ends
 from .drafters import (
     NGRAM,
     NONE,
@@ -134,19 +133,3 @@ def make_engine(target: LoadedModel, drafter: Drafter) -> SpeculativeEngine:
         drafter,
         stop_token_ids=sorted(stop_token_ids(target.tokenizer, target.model)),
     )
-
-
-def load_pair(
-    target_ref: str,
-    draft_spec: DraftSpec | str,
-    *,
-    device: str = "auto",
-    precision: str = "auto",
-    progress: ProgressCallback | None = None,
-    cancel: threading.Event | None = None,
-) -> LoadedPair:
-    """Target and drafter in one call (the bench's entry; the app and CLI use `ChatSession`)."""
-    spec = DraftSpec.parse(draft_spec)
-    target = load_model(target_ref, device=device, precision=precision, progress=progress, cancel=cancel)
-    drafter, draft = load_draft(spec, target, progress=progress, cancel=cancel)
-    return LoadedPair(target=target, draft=draft, engine=make_engine(target, drafter))
