@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from PySide6.QtGui import QTextCursor, QTextDocument
 
 from .conversations import StoredMessage, StoredToken
-from .markup import Block, LiveLayout, markdown_sections, section_parts
+from .markup import Block, LiveLayout, is_fenced, markdown_sections, section_parts
 from .transcript_writer import TranscriptWriter, Work, run_all
 
 
@@ -31,6 +31,7 @@ class LiveAnswer:
         self._starts: list[int] = []  # document position where each drawn part starts
         self._stable = 0  # leading drawn parts that can no longer change
         self._final_sections: dict[str, list[Block | str]] = {}  # plain view: laid out once
+        self._code: tuple[int, LiveLayout] | None = None  # plain view: the code block being written
 
     def begin(self, header: str) -> None:
         """Write the header at the end of the document (the tokens are kept, see `set_tokens`)."""
@@ -39,6 +40,7 @@ class LiveAnswer:
         self.active = True
         self._layout = LiveLayout()
         self._final_sections = {}
+        self._code = None
         self._drawn, self._starts, self._stable = [], [], 0
 
     def set_tokens(self, tokens: Sequence[StoredToken]) -> None:
@@ -47,6 +49,7 @@ class LiveAnswer:
         if len(tokens) < known or (known and tokens[known - 1] is not self.tokens[-1]):
             self._layout = LiveLayout()  # not a continuation of what is drawn: lay out afresh
             self._stable = 0
+            self._code = None
         self.tokens = list(tokens)
 
     def reset(self) -> None:
@@ -54,6 +57,7 @@ class LiveAnswer:
         self.tokens = []
         self._layout = LiveLayout()
         self._final_sections = {}
+        self._code = None
         self._drawn, self._starts, self._stable = [], [], 0
 
     def redraw(self) -> None:
@@ -73,16 +77,37 @@ class LiveAnswer:
             yield
 
     def _plain_parts(self) -> tuple[list[Block | str], int]:
-        """The parts without tints, and how many are final: every section but the last
-        is, and its parts are kept instead of being laid out again."""
-        sections = markdown_sections(self._layout.text)
+        """The parts without tints, and how many are final: every section but the last is,
+        and its parts are kept instead of being laid out again. A code block still being
+        written (the last section) is laid out incrementally, like the tinted view."""
+        text = self._layout.text
+        sections = markdown_sections(text)
         parts: list[Block | str] = []
         for section in sections[:-1]:
             if section not in self._final_sections:
-                self._final_sections[section] = section_parts(section)
+                self._final_sections[section] = self._finish_code(section) or section_parts(section)
             parts += self._final_sections[section]
         stable = len(parts)
-        return parts + (section_parts(sections[-1]) if sections else []), stable
+        if not sections:
+            return parts, stable
+        last = sections[-1]
+        if not is_fenced(last):
+            return [*parts, last], stable
+        start = text.rindex(last)
+        if self._code is None or self._code[0] != start or not last.startswith(self._code[1].text):
+            self._code = (start, LiveLayout(tokens=False))
+        code = self._code[1]
+        code.extend([text[start + len(code.text) : start + len(last)]])
+        return parts + list(code.blocks()), stable
+
+    def _finish_code(self, section: str) -> list[Block | str]:
+        """The blocks of the code block that was being written, if `section` is it (its
+        last lines may have come with the text after it)."""
+        code, self._code = self._code, None
+        if code is None or not code[1].text or not section.startswith(code[1].text):
+            return []
+        code[1].extend([section[len(code[1].text) :]])
+        return list(code[1].blocks())
 
     def finish(self, index: int, message: StoredMessage) -> Work:
         """Draw what is left, then the footer and links of message `index`; the drawing stays."""

@@ -134,9 +134,9 @@ class LiveLayout:
     long answer costs about the new tokens, not the whole answer.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, tokens: bool = True) -> None:
         self.text = ""
-        self.owner: list[int] = []
+        self.owner: list[int] | None = [] if tokens else None  # None: plain text, no token runs
         self.token_count = 0
         self._layouter = Layouter()
         self._stable: list[Block] = []
@@ -149,7 +149,8 @@ class LiveLayout:
 
     def extend(self, token_texts: Sequence[str]) -> None:
         for text in token_texts:
-            self.owner.extend([self.token_count] * len(text))
+            if self.owner is not None:
+                self.owner.extend([self.token_count] * len(text))
             self.text += text
             self.token_count += 1
 
@@ -266,6 +267,11 @@ def markdown_sections(text: str) -> list[str]:
             current.append(line)
     cut()
     return sections
+
+
+def is_fenced(section: str) -> bool:
+    """A section of `markdown_sections` that is a fenced code block."""
+    return _FENCE.match(section) is not None
 
 
 def section_parts(section: str) -> list[Block | str]:
