@@ -11,6 +11,7 @@ traceback); Ctrl-C exits 130. Heavy imports (torch, transformers) happen inside
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import os
@@ -236,6 +237,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("specdec: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader went away (`specdec generate ... | head -1`): stop quietly, as cat does,
+        # and keep Python from complaining when it flushes stdout at exit.
+        _detach_stdout()
+        return 141
     except MemoryError:
         print("specdec: error: out of memory: free memory or raise the limit (ulimit -v)", file=sys.stderr)
         return 2
@@ -256,6 +262,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
+
+
+def _detach_stdout() -> None:
+    with contextlib.suppress(OSError, ValueError, AttributeError):  # no real file behind stdout (tests)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def _quiet_transformers() -> None:

@@ -283,3 +283,19 @@ def test_auto_precision_on_cuda_fits_the_weights_in_free_memory(monkeypatch, fre
 def test_offload_lets_accelerate_place_the_layers():
     assert loading._placement("cuda", "bf16", offload=True)["device_map"] == "auto"
     assert loading._placement("cuda", "bf16", offload=False)["device_map"] == {"": 0}
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly(capsys, monkeypatch, tiny_folder):
+    """`specdec generate ... | head -c 1`: no traceback, no error line, exit 141 like cat."""
+
+    class ClosedPipe:
+        def write(self, text: str) -> int:
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self) -> None:
+            raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(sys, "stdout", ClosedPipe())
+    args = ["generate", "--target", str(tiny_folder), "--prompt", "hi", "--draft", "none", "--no-calibrate"]
+    assert cli.main([*args, "--device", "cpu", "--precision", "fp32"]) == 141
+    assert "error" not in capsys.readouterr().err
