@@ -216,4 +216,6 @@ def make_batch_invariant(model: Any) -> str | None:
     refusal = rowwise_refusal(model.config)
     if refusal is None:
         model.set_attn_implementation(NAME)
+        if model.config._attn_implementation != NAME:  # transformers only warns
+            refusal = "attention code that takes no pluggable attention function"
     return refusal
