@@ -1,10 +1,10 @@
 """The saved conversations as the window sees them: a listing kept in memory, and
 saving, loading, renaming and deleting done off the UI thread.
 
-Measured on a 20,000-token conversation: saving it takes ~0.8 s (JSON with indent
-and an fsync), loading it ~0.13 s, and listing five of them ~1.3 s (the listing
-reads every file). The window saves after every message, so all of that ran on
-the UI thread at the end of each answer. Here the folder is read once, when the
+On a 20,000-token conversation, saving takes about a second (JSON with indent and an
+fsync) and loading about 0.2 s (scripts/transcript-timings); listing the folder reads
+every file. The window saves after every message, so all of that ran on the UI
+thread at the end of each answer. Here the folder is read once, when the
 window starts; afterwards the listing is updated in memory, and the file work
 runs in one background thread, in the order asked (a delete never races a save).
 Results come back as signals, delivered on the UI thread.

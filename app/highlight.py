@@ -21,7 +21,7 @@ from pygments.util import ClassNotFound
 # Chosen for contrast with the tints underneath: dark text on pale tints, light on deep.
 STYLE_FOR_THEME = {"light": "default", "dark": "github-dark"}
 PLAIN_LANGUAGES = frozenset({"", "text", "plain", "plaintext", "txt", "output", "console-output"})
-# What chat answers mostly contain; loading a lexer the first time takes ~0.1 s.
+# What chat answers mostly contain; the first lookup of a lexer takes ~0.1-0.2 s.
 COMMON_LANGUAGES = ("python", "bash", "javascript", "typescript", "json", "c", "cpp", "rust", "go", "java")
 
 Span = tuple[int, int, str]  # start, end (in the line), "#rrggbb"
@@ -30,7 +30,8 @@ Span = tuple[int, int, str]  # start, end (in the line), "#rrggbb"
 @lru_cache(maxsize=1)
 def _builtin_aliases() -> frozenset[str]:
     # Pygments' own lexers only: looking up a name it lacks would scan the installed
-    # packages for plugin lexers (~0.1 s on the UI thread, for every unknown name).
+    # packages for plugin lexers (~0.1 s on the UI thread, for every unknown name;
+    # scripts/transcript-timings measures both).
     return frozenset(alias for _, aliases, _, _ in get_all_lexers(plugins=False) for alias in aliases)
 
 

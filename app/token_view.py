@@ -113,9 +113,9 @@ class TokenView(QTextBrowser):
             self.render_messages([])
 
     def _fresh_document(self) -> None:
-        """Start over on an empty document. Replacing it instead of clearing it moves the
-        cost of freeing a long conversation (~20 ms for 20,000 tokens) to an event-loop
-        turn of its own, away from the first slice of what replaces it."""
+        """Start over on a fresh, empty document without an undo stack; the old one is
+        freed in an event-loop turn of its own, away from the first slice of what
+        replaces it."""
         old = self.document()
         ours = old.parent() is self  # not the widget's first one, which setDocument deletes
         document = QTextDocument(self)
