@@ -402,3 +402,24 @@ def test_closing_during_a_long_load_returns_at_once_and_cancels_it(qtbot, open_w
     with qtbot.waitSignal(window.engine_thread.finished, timeout=LOAD_TIMEOUT_MS):
         chunk_done.set()
     assert saw_cancel == [True]
+
+
+@pytest.mark.parametrize(("interval_s", "batches"), [(0.0, [[1, "step"], [2, "step"]]), (3600.0, [[1, "step", 2, "step"]])])
+def test_the_worker_forwards_core_events_in_batches_that_end_on_a_step(qapp, interval_s, batches):
+    from app.worker import EngineWorker
+    from specdec_core.events import DoneEvent, PrefillEvent, Source, StepEvent, TokenEvent
+
+    def step(n: int) -> StepEvent:
+        return StepEvent(n, 1, 1, 1, 1, 0.0, 0.0, 1.0, 1.0, 1.0)
+
+    done = DoneEvent((1, 2), "ab", stats=None)
+    events = [PrefillEvent(3, 0, 0.0), TokenEvent(1, "a", Source.TARGET, 1), step(1)]
+    events += [TokenEvent(2, "b", Source.TARGET, 2), step(2), done]
+    worker = EngineWorker()
+    worker.emit_interval_s = interval_s
+    seen: list[object] = []
+    worker.prefilled.connect(lambda event: seen.append("prefill"))
+    worker.streamed.connect(lambda batch: seen.append([getattr(e, "token_id", "step") for e in batch]))
+    worker.answerDone.connect(seen.append)
+    worker._forward(iter(events))  # the events are the session's own objects, never re-typed
+    assert seen == ["prefill", *batches, done]
