@@ -251,6 +251,12 @@ class DraftLengthController:
     def probe_every(self, value: int) -> None:
         self.prober.every = value
 
+    def carry_from(self, previous: DraftLengthController) -> None:
+        """Keep what an earlier generation learned about acceptance (the next message of a
+        chat is mostly like the last; forgetting still follows a change)."""
+        if previous.max_k == self.max_k:
+            self.acceptance = previous.acceptance
+
     def expected_rate(self, k: int, draft_cost: float) -> float | None:
         """Expected tokens per second when drafting k tokens (k = 0: a plain step)."""
         t_verify = self.costs.verify_seconds(k + 1)

@@ -138,7 +138,9 @@ class NgramDrafter:
         self.reset()
 
     def start(self, plan: DraftPlan) -> None:
+        previous = self.controller
         self.controller = DraftLengthController(max_k=plan.max_k, pinned=plan.pinned, costs=plan.costs)
+        self.controller.carry_from(previous)
 
     def reset(self) -> None:
         self._tokens: list[int] = []
@@ -217,7 +219,9 @@ class ModelDrafter:
 
     def start(self, plan: DraftPlan) -> None:
         self.costs = plan.costs
+        previous = self.controller
         self.controller = DraftLengthController(max_k=plan.max_k, pinned=plan.pinned, costs=plan.costs)
+        self.controller.carry_from(previous)
         self.early_stop = plan.pinned is None
 
     def reset(self) -> None:
@@ -355,7 +359,9 @@ class LookupThenModelDrafter:
 
     def start(self, plan: DraftPlan) -> None:
         self.model.start(plan)
-        self.policy = SourcePolicy(plan.costs, max_k=plan.max_k, pinned=plan.pinned)
+        policy = SourcePolicy(plan.costs, max_k=plan.max_k, pinned=plan.pinned)
+        policy.carry_from(self.policy)
+        self.policy = policy
 
     def reset(self) -> None:
         self.model.reset()

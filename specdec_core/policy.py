@@ -57,6 +57,12 @@ class SourcePolicy:
         self._lookup: dict[int, AcceptanceEstimate] = {}
         self.prober = Prober(probe_every)
 
+    def carry_from(self, previous: SourcePolicy) -> None:
+        """Keep what an earlier generation learned about each source's acceptance."""
+        if previous.max_k == self.max_k:
+            self.model = previous.model
+            self._lookup = previous._lookup
+
     def lookup(self, n: int) -> AcceptanceEstimate:
         """The acceptance of copies after a match of n tokens."""
         if n not in self._lookup:

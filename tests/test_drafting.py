@@ -217,6 +217,21 @@ def test_with_an_excellent_draft_the_policy_keeps_the_model_acceptance(tokenizer
     assert stats["policy"].mean_accepted_length >= 0.9 * stats["model"].mean_accepted_length
 
 
+@pytest.mark.parametrize("strategy", ["model", "policy"])
+def test_the_next_message_starts_from_the_acceptance_learned_so_far(tokenizer, target, strategy):
+    model = ModelDrafter(tiny_model(len(tokenizer), seed=7), "random")
+    engine = SpeculativeEngine(
+        target, tokenizer, model if strategy == "model" else LookupThenModelDrafter(model)
+    )
+    engine.costs = FrozenCosts(verify=dict(CPU_VERIFY), draft_token=0.02)
+    prompt = tokenizer("def add(a, b):")["input_ids"]
+    list(engine.generate(prompt, GenerationParams(max_new_tokens=24)))
+    steps = [
+        e for e in engine.generate(prompt, GenerationParams(max_new_tokens=8)) if isinstance(e, StepEvent)
+    ]
+    assert [s.proposed for s in steps] == [0] * len(steps)  # no fresh try of a draft known to fail
+
+
 def test_model_draft_stops_early_when_confidence_is_too_low_to_pay(tokenizer, target):
     drafter = ModelDrafter(perturbed(target, 0.3), "p")
     # A draft forward as costly as a target step: only near-certain tokens pay.
