@@ -29,7 +29,7 @@ def test_a_batch_dependent_forward_is_reported_with_its_logit_difference(tokeniz
     model.lm_head = _RowCountBias(model.lm_head)
     report = check_exactness(SpeculativeEngine(model, tokenizer))
     assert report.label == NEAR_TIES
-    assert report.max_logit_diff == pytest.approx(7e-3, rel=1e-3)  # 8 rows vs 1
+    assert report.max_logit_diff == pytest.approx(7e-3, abs=2e-4)  # 8 rows vs 1, plus fp32 rounding noise
     assert "near-ties may differ" in report.summary()
     assert report.as_dict()["positions"] == report.positions >= 2
 
