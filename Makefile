@@ -23,10 +23,14 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check specdec_core app tests
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy
 	QT_QPA_PLATFORM=offscreen $(PY) -m pytest -q -p no:cacheprovider
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check specdec_core app tests
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -9,30 +9,30 @@ from __future__ import annotations
 
 import logging
 
-from specdec_core import catalog as catalog_module
+from specdec_core import DEFAULT_DRAFT, DEFAULT_TARGET, ModelEntry, load_catalog
 
 log = logging.getLogger(__name__)
 
 
-def entries() -> tuple[catalog_module.ModelEntry, ...]:
+def entries() -> tuple[ModelEntry, ...]:
     """The catalog's models, or none when the packaged catalog cannot be read."""
     try:
-        return catalog_module.load_catalog().models
+        return load_catalog().models
     except (OSError, ValueError, KeyError, TypeError) as exc:
         log.warning("model catalog unavailable: %s", exc)
         return ()
 
 
-def entry(name: str) -> catalog_module.ModelEntry | None:
+def entry(name: str) -> ModelEntry | None:
     return next((e for e in entries() if e.name == name.strip().lower()), None)
 
 
 def default_target() -> str:
-    return catalog_module.DEFAULT_TARGET
+    return DEFAULT_TARGET
 
 
 def default_draft() -> str:
-    return catalog_module.DEFAULT_DRAFT
+    return DEFAULT_DRAFT
 
 
 def describe(name: str) -> str:

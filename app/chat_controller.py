@@ -12,8 +12,7 @@ from __future__ import annotations
 from PySide6.QtCore import QObject, Signal
 from PySide6.QtGui import QGuiApplication
 
-from specdec_core.chat import Message
-from specdec_core.events import DoneEvent, StepEvent, TokenEvent
+from specdec_core import DoneEvent, Message, StepEvent, TokenEvent
 
 from .conversation_library import ConversationLibrary
 from .conversation_sidebar import ConversationSidebar

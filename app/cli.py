@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from specdec_core.cli import add_model_options
+from specdec_core import add_model_options
 
 # Here rather than in settings.py so that `specdec --help` does not import Qt.
 THEMES = ("system", "light", "dark")

@@ -13,8 +13,7 @@ from pathlib import Path
 
 from PySide6.QtCore import QObject, Signal
 
-from specdec_core.compat import Compatibility
-from specdec_core.session import SessionInfo
+from specdec_core import Compatibility, SessionInfo
 
 from . import catalog_info
 from .model_toolbar import DRAFT_LABELS, ModelToolbar, short_ref

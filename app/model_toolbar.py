@@ -15,8 +15,7 @@ from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QAction
 from PySide6.QtWidgets import QComboBox, QFileDialog, QInputDialog, QLabel, QToolBar, QWidget
 
-from specdec_core.compat import Compatibility
-from specdec_core.loading import DEVICES, PRECISIONS
+from specdec_core import DEVICES, PRECISIONS, Compatibility
 
 from . import catalog_info
 

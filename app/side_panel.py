@@ -18,9 +18,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from specdec_core.engine import GenerationParams
-from specdec_core.events import StepEvent
-from specdec_core.stats import GenerationStats
+from specdec_core import GenerationParams, GenerationStats, StepEvent
 
 from .gauges import Gauge, Sparkline
 from .settings import AppSettings

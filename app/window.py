@@ -27,7 +27,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from specdec_core.session import SessionInfo
+from specdec_core import SessionInfo
 
 from . import catalog_info, highlight, theme
 from .chat_controller import ChatController

@@ -35,12 +35,21 @@ from typing import ClassVar
 
 from PySide6.QtCore import QObject, Qt, QThread, Signal, Slot
 
-from specdec_core.chat import Message
-from specdec_core.engine import GenerationParams
-from specdec_core.errors import Cancelled, SpecdecError
-from specdec_core.events import DoneEvent, Event, PrefillEvent, StepEvent, TokenEvent
-from specdec_core.progress import Progress
-from specdec_core.session import ChatSession, LoadSpec, SessionInfo
+from specdec_core import (
+    Cancelled,
+    ChatSession,
+    DoneEvent,
+    Event,
+    GenerationParams,
+    LoadSpec,
+    Message,
+    PrefillEvent,
+    Progress,
+    SessionInfo,
+    SpecdecError,
+    StepEvent,
+    TokenEvent,
+)
 
 log = logging.getLogger(__name__)
 EMIT_INTERVAL_S = 0.03

@@ -19,6 +19,11 @@ from ._requirements import check_requirements
 check_requirements()
 
 _EXPORTS = {
+    "add_model_options": "cli",
+    "DEFAULT_DRAFT": "catalog",
+    "DEFAULT_TARGET": "catalog",
+    "ModelEntry": "catalog",
+    "load_catalog": "catalog",
     "ChatSession": "session",
     "check_params": "session",
     "DEVICES": "loading",
@@ -55,6 +60,8 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "DEFAULT_DRAFT",
+    "DEFAULT_TARGET",
     "DEVICES",
     "PRECISIONS",
     "Cancelled",
@@ -71,6 +78,7 @@ __all__ = [
     "LoadSpec",
     "Message",
     "ModelDrafter",
+    "ModelEntry",
     "NgramDrafter",
     "NoDrafter",
     "OutOfMemory",
@@ -83,15 +91,19 @@ __all__ = [
     "SpeculativeEngine",
     "StepEvent",
     "TokenEvent",
+    "add_model_options",
     "check_params",
     "encode_chat",
+    "load_catalog",
     "rate_draft",
     "stop_token_ids",
     "theoretical_speedup",
 ]
 
 if TYPE_CHECKING:
+    from .catalog import DEFAULT_DRAFT, DEFAULT_TARGET, ModelEntry, load_catalog
     from .chat import Message, encode_chat, stop_token_ids
+    from .cli import add_model_options
     from .compat import Compatibility, rate_draft
     from .drafters import Drafter, ModelDrafter, NgramDrafter, NoDrafter
     from .engine import GenerationParams, SpeculativeEngine

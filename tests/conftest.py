@@ -35,7 +35,7 @@ def tiny_folder(tmp_path_factory, tokenizer, target) -> Path:
 
 @pytest.fixture(autouse=True)
 def _collect_on_the_main_thread():
-    """The app collects garbage on the UI thread only (app.gc_guard); tests that never spin
+    """The app collects garbage on the UI thread only (specdec_app.gc_guard); tests that never spin
     the event loop collect here, between tests, so memory does not pile up."""
     yield
     if not gc.isenabled():

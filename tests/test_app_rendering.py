@@ -22,12 +22,12 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 from PySide6.QtCore import QElapsedTimer, Qt, QTimer
 from PySide6.QtGui import QColor
 
-from app import highlight
-from app.conversations import Conversation, ConversationStore, StoredMessage, StoredToken
-from app.highlight import Highlighter
-from app.main import build_main_window
-from app.theme import DARK_TINTS, LIGHT_TINTS
-from app.token_view import TOKEN_SOURCE, TokenView
+from specdec_app import highlight
+from specdec_app.conversations import Conversation, ConversationStore, StoredMessage, StoredToken
+from specdec_app.highlight import Highlighter
+from specdec_app.main import build_main_window
+from specdec_app.theme import DARK_TINTS, LIGHT_TINTS
+from specdec_app.token_view import TOKEN_SOURCE, TokenView
 
 MAX_UI_GAP_MS = 50.0
 RENDER_TIMEOUT_MS = 120_000

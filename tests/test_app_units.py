@@ -10,8 +10,8 @@ import pytest
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
-from app.conversations import Conversation, ConversationStore, StoredMessage, StoredToken, title_from
-from app.markup import layout, owners
+from specdec_app.conversations import Conversation, ConversationStore, StoredMessage, StoredToken, title_from
+from specdec_app.markup import layout, owners
 from specdec_core.stats import GenerationStats
 
 
@@ -91,7 +91,7 @@ def test_title_is_the_first_line_shortened_on_a_word():
 
 
 def test_footer_reads_like_the_issue_says():
-    from app.side_panel import answer_footer
+    from specdec_app.side_panel import answer_footer
 
     stats = GenerationStats(
         drafter="d",
@@ -111,7 +111,7 @@ def test_footer_reads_like_the_issue_says():
 
 def test_settings_round_trip_through_the_typed_wrapper(qapp, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDEC_DATA_DIR", str(tmp_path))
-    from app.settings import AppSettings
+    from specdec_app.settings import AppSettings
 
     settings = AppSettings()
     settings.target, settings.draft, settings.precision = "/m/t", "ngram", "int8"
@@ -131,7 +131,7 @@ def test_settings_round_trip_through_the_typed_wrapper(qapp, tmp_path, monkeypat
 def test_gauge_grows_its_scale_and_shows_the_bound(qtbot):
     from PySide6.QtGui import QColor
 
-    from app.gauges import Gauge
+    from specdec_app.gauges import Gauge
 
     gauge = Gauge("speedup", 4.0, lambda v: f"{v:.2f}×", QColor("red"))
     qtbot.addWidget(gauge)
@@ -158,7 +158,7 @@ def test_qt_calls_that_return_nothing_keep_none_alive(qapp):
 
 def test_settings_are_declared_once_with_unique_keys_and_bad_values_read_as_defaults(qapp, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDEC_DATA_DIR", str(tmp_path))
-    from app.settings import KEY_MAX_NEW_TOKENS, KEY_THEME, AppSettings
+    from specdec_app.settings import KEY_MAX_NEW_TOKENS, KEY_THEME, AppSettings
 
     declared = AppSettings.declared()
     keys = [setting.key for setting in declared.values()]
@@ -173,7 +173,7 @@ def test_settings_are_declared_once_with_unique_keys_and_bad_values_read_as_defa
 
 
 def test_streaming_layout_equals_the_whole_layout_at_every_prefix():
-    from app.markup import LiveLayout
+    from specdec_app.markup import LiveLayout
 
     tokens = ["Intro **bo", "ld** and `x", "`\n", "```", "py", "thon\n", "def f", "():\n", "\n", "    return", " 1\n"]
     tokens += ["```", "\n\n", "- one\n", "  - two", "\n3. three\n", "> said\n", "---", "\npara", "graph\nmore\n"]
@@ -186,7 +186,7 @@ def test_streaming_layout_equals_the_whole_layout_at_every_prefix():
 
 
 def test_markdown_sections_split_at_blank_lines_and_around_fences_but_never_inside_one():
-    from app.markup import markdown_sections
+    from specdec_app.markup import markdown_sections
 
     text = "para one\nstill one\n\n```py\na = 1\n\nb = 2\n```\n\n\n- list"
     assert markdown_sections(text) == ["para one\nstill one", "```py\na = 1\n\nb = 2\n```", "- list"]
@@ -194,7 +194,7 @@ def test_markdown_sections_split_at_blank_lines_and_around_fences_but_never_insi
 
 
 def test_token_index_finds_tokens_by_position_and_forgets_a_cut_tail():
-    from app.token_index import TokenIndex
+    from specdec_app.token_index import TokenIndex
 
     a, b = StoredToken("ab", "accepted", 1), StoredToken("cd", "bonus", 1)
     index = TokenIndex()

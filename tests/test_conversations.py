@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from app.conversations import (
+from specdec_app.conversations import (
     STALE_TEMP_AGE_S,
     Conversation,
     ConversationError,

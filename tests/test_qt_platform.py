@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from app import main, qt_platform
-from app.cli import chat_parser
+from specdec_app import main, qt_platform
+from specdec_app.cli import chat_parser
 
 ON_LINUX = sys.platform.startswith("linux")
 
