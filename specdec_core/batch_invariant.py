@@ -176,8 +176,8 @@ def dequantize_bnb(module: nn.Linear) -> torch.Tensor:
 
         if getattr(state, "packing_format_for_cpu", False):
             # bitsandbytes repacks CPU weights at its first forward; undo it once.
-            weight.data, weight.quant_state = bnbf._convert_weight_packed_for_cpu_inverse(weight.data, state)
-            state = weight.quant_state
+            weight.data, state = bnbf._convert_weight_packed_for_cpu_inverse(weight.data, state)
+            weight.quant_state = state  # type: ignore[attr-defined]  # a bitsandbytes Params4bit
         return bnbf.dequantize_4bit(weight.data, state)
     # 8-bit: int8 rows with one absmax per output row (SCB), as int8_vectorwise_dequant.
     # After a first forward bitsandbytes keeps CB/SCB on the module's state, not the weight.

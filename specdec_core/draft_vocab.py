@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -30,7 +31,7 @@ def useful_rows(vocab_size: int, n: int, always: Iterable[int] = ()) -> torch.Te
     return torch.tensor(sorted(keep), dtype=torch.long)
 
 
-def truncated_head_model(model: nn.Module, rows: torch.Tensor) -> nn.Module:
+def truncated_head_model(model: Any, rows: torch.Tensor) -> nn.Module:
     """A view of `model` sharing its body, with an LM head of only `rows` (logits [.., len(rows)]).
 
     The original model is left as it is (a bench or the app may use it as a full draft).
@@ -60,7 +61,7 @@ def _dense_weight(head: nn.Module) -> torch.Tensor:
 
 def truncate_draft(drafter: ModelDrafter, n: int, always: Iterable[int] = ()) -> ModelDrafter:
     """The same draft model scoring only the n most useful ids (plus `always`), as a new drafter."""
-    model = drafter.runner.model
+    model: Any = drafter.runner.model
     vocab = drafter.vocab_size or model.get_output_embeddings().out_features
     rows = useful_rows(vocab, n, always)
     small = ModelDrafter(truncated_head_model(model, rows), f"{drafter.name}[{len(rows)}]", vocab)

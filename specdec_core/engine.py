@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,13 +63,14 @@ class SpeculativeEngine:
         target: torch.nn.Module,
         tokenizer: Any,
         drafter: DraftStrategy | None = None,
-        stop_token_ids: Sequence[int] = (),
+        stop_token_ids: Iterable[int] = (),
     ) -> None:
         self.target = CachedModel(target)
         self.tokenizer = tokenizer
         self.drafter: DraftStrategy = drafter or NoDrafter()
         self.stop_token_ids = frozenset(stop_token_ids)
-        self.vocab_size = int(target.config.get_text_config().vocab_size)
+        config: Any = target.config  # a transformers PreTrainedConfig
+        self.vocab_size = int(config.get_text_config().vocab_size)
         # Costs persist across messages: timings learned once keep paying off.
         self.costs = CostModel()
         # Read at every step, so the UI's toggle applies to a running generation.

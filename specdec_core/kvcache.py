@@ -18,6 +18,7 @@ Two things make that rollback exact on every architecture:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from transformers import DynamicCache
@@ -47,6 +48,7 @@ class RollbackSlidingWindowLayer(DynamicSlidingWindowLayer):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        assert self.keys is not None and self.values is not None
         visible = min(self.cumulative_length, self.sliding_window - 1) + key_states.shape[-2]
         self.cumulative_length += key_states.shape[-2]
         self.keys = torch.cat([self.keys, key_states], dim=-2)
@@ -59,12 +61,13 @@ class RollbackSlidingWindowLayer(DynamicSlidingWindowLayer):
             raise ValueError("crop takes a negative count of positions to remove")
         if tokens_to_remove == 0 or not self.is_initialized:
             return
+        assert self.keys is not None and self.values is not None
         self.keys = self.keys[..., :tokens_to_remove, :]
         self.values = self.values[..., :tokens_to_remove, :]
         self.cumulative_length = self.keys.shape[-2]
 
 
-def new_cache(config: object) -> DynamicCache:
+def new_cache(config: Any) -> DynamicCache:
     """transformers' per-layer cache for `config`, with sliding layers that can roll back."""
     cache = DynamicCache(config=config)
     for i, layer in enumerate(cache.layers):

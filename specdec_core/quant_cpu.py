@@ -26,6 +26,8 @@ def int8_available() -> bool:
 
 
 class PerTokenInt8Linear(nn.Module):
+    _bounds: torch.Tensor
+
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         weight = linear.weight.detach().float()

@@ -21,7 +21,6 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
 from PySide6.QtCore import QElapsedTimer, Qt, QTimer
 from PySide6.QtGui import QColor
-
 from specdec_app import highlight
 from specdec_app.conversations import Conversation, ConversationStore, StoredMessage, StoredToken
 from specdec_app.highlight import Highlighter

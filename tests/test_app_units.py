@@ -12,6 +12,7 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
 from specdec_app.conversations import Conversation, ConversationStore, StoredMessage, StoredToken, title_from
 from specdec_app.markup import layout, owners
+
 from specdec_core.stats import GenerationStats
 
 
@@ -130,7 +131,6 @@ def test_settings_round_trip_through_the_typed_wrapper(qapp, tmp_path, monkeypat
 
 def test_gauge_grows_its_scale_and_shows_the_bound(qtbot):
     from PySide6.QtGui import QColor
-
     from specdec_app.gauges import Gauge
 
     gauge = Gauge("speedup", 4.0, lambda v: f"{v:.2f}×", QColor("red"))

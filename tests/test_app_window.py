@@ -20,11 +20,11 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
 from PySide6.QtCore import QElapsedTimer, Qt, QTimer
 from PySide6.QtGui import QTextCursor
-from tiny import perturbed, tiny_model, tiny_tokenizer
-
 from specdec_app.main import build_main_window
 from specdec_app.settings import AppSettings
 from specdec_app.token_view import TOKEN_SOURCE, token_tooltip
+from tiny import perturbed, tiny_model, tiny_tokenizer
+
 from specdec_core import cli
 from specdec_core.compat import check_folders
 from specdec_core.errors import Cancelled
@@ -407,6 +407,7 @@ def test_closing_during_a_long_load_returns_at_once_and_cancels_it(qtbot, open_w
 @pytest.mark.parametrize(("interval_s", "batches"), [(0.0, [[1, "step"], [2, "step"]]), (3600.0, [[1, "step", 2, "step"]])])
 def test_the_worker_forwards_core_events_in_batches_that_end_on_a_step(qapp, interval_s, batches):
     from specdec_app.worker import EngineWorker
+
     from specdec_core.events import DoneEvent, PrefillEvent, Source, StepEvent, TokenEvent
 
     def step(n: int) -> StepEvent:

@@ -8,7 +8,6 @@ import os
 import time
 
 import pytest
-
 from specdec_app.conversations import (
     STALE_TEMP_AGE_S,
     Conversation,

@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from specdec_app import main, qt_platform
 from specdec_app.cli import chat_parser
 

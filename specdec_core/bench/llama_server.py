@@ -141,7 +141,8 @@ class LlamaServer:
     def _last_log_line(self) -> str:
         if self.log_path is None:
             return ""
-        self._log.flush()
+        if not isinstance(self._log, int):
+            self._log.flush()
         lines = [ln for ln in self.log_path.read_text(errors="replace").splitlines() if ln.strip()]
         return f": {lines[-1].strip()} (log: {self.log_path})" if lines else ""
 
@@ -173,7 +174,7 @@ class LlamaServer:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
-        if self._log is not subprocess.DEVNULL:
+        if not isinstance(self._log, int):  # DEVNULL is an int
             self._log.close()
 
 
