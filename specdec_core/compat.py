@@ -152,8 +152,8 @@ def check_folders(target_dir: str | Path, draft_dir: str | Path) -> Compatibilit
     """`check_draft_compatibility` for two HF folders: reads their tokenizers and configs."""
     from transformers import AutoTokenizer  # heavy import, only when folders are compared
 
-    target_tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
-    draft_tokenizer = AutoTokenizer.from_pretrained(str(draft_dir))
+    target_tokenizer = AutoTokenizer.from_pretrained(str(target_dir), trust_remote_code=False)
+    draft_tokenizer = AutoTokenizer.from_pretrained(str(draft_dir), trust_remote_code=False)
     return check_draft_compatibility(
         target_tokenizer,
         draft_tokenizer,
