@@ -14,7 +14,7 @@ from typing import Any
 import psutil
 import torch
 
-from .bench import BenchReport, CostCurve, GroupSummary, LoadRun, Result, StepBytes, TargetCheck
+from .bench import BenchReport, CostCurve, FusionGain, GroupSummary, LoadRun, Result, StepBytes, TargetCheck
 from .bench.results import reference_of
 
 
@@ -289,6 +289,17 @@ def roofline_markdown(
         else "not measured"
     )
     lines.append(f"\n(limit: {measured}; KV cache at {context} cached tokens)")
+    return "\n".join(lines) + "\n"
+
+
+def fusion_markdown(gains: dict[str, FusionGain]) -> str:
+    """Separate vs fused q/k/v and gate/up: min ms of an m-token forward, interleaved."""
+    rows = []
+    for name, g in gains.items():
+        for m in g.sizes:
+            a, b = g.separate_min[m], g.fused_min[m]
+            rows.append([name, str(m), f"{a * 1e3:.1f}", f"{b * 1e3:.1f}", f"{(a - b) / a:+.0%}"])
+    lines = _table(["model", "m tokens", "separate, min (ms)", "fused, min (ms)", "saved"], rows)
     return "\n".join(lines) + "\n"
 
 

@@ -204,8 +204,8 @@ def _threads_config() -> dict[str, object]:
 
 
 def _cost_curve(target: Any, draft: Any, machine: dict[str, Any], args: argparse.Namespace) -> int:
-    from .bench import measure_bandwidth, measure_cost_curve, step_bytes
-    from .bench_report import cost_curve_markdown, machine_line, roofline_markdown
+    from .bench import measure_bandwidth, measure_cost_curve, measure_fusion_gain, step_bytes
+    from .bench_report import cost_curve_markdown, fusion_markdown, machine_line, roofline_markdown
 
     print("specdec bench: timing forwards…", file=sys.stderr)
     curve = measure_cost_curve(target.model, draft.model if draft else None)
@@ -219,6 +219,15 @@ def _cost_curve(target: Any, draft: Any, machine: dict[str, Any], args: argparse
         + "\n"
         + roofline_markdown(curve, models, bandwidth)
     )
+    # Loaded unfused (SPECDEC_FUSE=0): also time what fusing would change, interleaved.
+    gains = {}
+    for name, loaded in (("target", target), ("draft", draft)):
+        if loaded is not None and not _is_fused(loaded.model):
+            gain = measure_fusion_gain(loaded.model)
+            if gain is not None:
+                gains[name] = gain
+    if gains:
+        text += "\n" + fusion_markdown(gains)
     sys.stdout.write(text)
     if args.markdown:
         args.markdown.write_text(text, encoding="utf-8")
@@ -230,6 +239,8 @@ def _cost_curve(target: Any, draft: Any, machine: dict[str, Any], args: argparse
             **asdict(curve),
             "step_bytes": {name: asdict(b) for name, b in models.items()},
             "bandwidth_bytes_per_s": bandwidth,
+            "fused": _is_fused(target.model),
+            "fusion_gain": {name: asdict(g) for name, g in gains.items()},
         }
         args.json.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
     return 0
@@ -260,6 +271,12 @@ def _under_load(target: Any, prompt: BenchPrompt, machine: dict[str, Any], args:
         }
         args.json.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
     return 0
+
+
+def _is_fused(model: Any) -> bool:
+    from .fused_int8 import FusedGateUpMLP, FusedProjection
+
+    return any(isinstance(m, (FusedProjection, FusedGateUpMLP)) for m in model.modules())
 
 
 def _command_line(args: argparse.Namespace) -> str:

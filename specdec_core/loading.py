@@ -31,6 +31,7 @@ import torch
 
 from .batch_invariant import make_batch_invariant
 from .errors import ModelLoadError, OutOfMemory
+from .fused_int8 import apply_fusion
 from .progress import Progress, ProgressCallback, check_cancelled
 from .quant_cpu import int8_available, quantize_linears_int8
 from .refs import resolve_model_ref
@@ -250,6 +251,7 @@ def _load_weights(
     _check_loading_info(info, ref)
     if precision == "int8" and device == "cpu":
         quantize_linears_int8(model)
+        apply_fusion(model)  # q/k/v and gate/up as one int8 linear each: bitwise the same logits
     if device == "cpu":
         # At every precision: a verify and plain decoding give bitwise-equal logits
         # (batch_invariant; measured at load by the self-check).

@@ -9,7 +9,15 @@ busy process, thread governor on and off). `bench_report` renders a report;
 `cli_bench` is the command line.
 """
 
-from .cost_curve import CostCurve, StepBytes, measure_bandwidth, measure_cost_curve, step_bytes
+from .cost_curve import (
+    CostCurve,
+    FusionGain,
+    StepBytes,
+    measure_bandwidth,
+    measure_cost_curve,
+    measure_fusion_gain,
+    step_bytes,
+)
 from .llama_server import start_peers
 from .methods import (
     ALL_METHODS,
@@ -46,6 +54,7 @@ __all__ = [
     "CostCurve",
     "EngineFigures",
     "EngineMethod",
+    "FusionGain",
     "GroupSummary",
     "HfMethod",
     "LoadRun",
@@ -64,6 +73,7 @@ __all__ = [
     "load_prompts",
     "measure_bandwidth",
     "measure_cost_curve",
+    "measure_fusion_gain",
     "measure_under_load",
     "needs_draft_model",
     "run_bench",

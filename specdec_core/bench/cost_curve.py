@@ -9,6 +9,7 @@ times a streaming read, the limit those bytes are judged against.
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 from collections.abc import Sequence
@@ -142,3 +143,38 @@ def measure_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
         data.sum()
         best = min(best, time.perf_counter() - start)
     return data.numel() * 4 / best
+
+
+@dataclass(frozen=True)
+class FusionGain:
+    """Min seconds of an m-token forward with separate and with fused q/k/v, gate/up linears."""
+
+    sizes: tuple[int, ...]
+    separate_min: dict[int, float]
+    fused_min: dict[int, float]
+
+
+def measure_fusion_gain(
+    model: Any, sizes: Sequence[int] = (1, 5), repeats: int = 9, context_tokens: int = 200
+) -> FusionGain | None:
+    """Interleaved A/B of an unfused int8 model and a fused copy; None if nothing fuses."""
+    from ..fused_int8 import fuse_int8_projections
+
+    fused_model = copy.deepcopy(model)
+    if fuse_int8_projections(fused_model) == 0:
+        return None
+    vocab = int(model.config.get_text_config().vocab_size)
+    context = torch.randint(0, vocab, (context_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
+    runners = [CachedModel(model), CachedModel(fused_model)]
+    for runner in runners:
+        runner.forward(context, logits_to_keep=1)
+    timings: list[dict[int, list[float]]] = [{m: [] for m in sizes} for _ in runners]
+    for _ in range(repeats):
+        for m in sizes:
+            for runner, times in zip(runners, timings, strict=True):
+                times[m].append(time_forward(runner, context, m))
+    return FusionGain(
+        sizes=tuple(sizes),
+        separate_min={m: min(t) for m, t in timings[0].items()},
+        fused_min={m: min(t) for m, t in timings[1].items()},
+    )

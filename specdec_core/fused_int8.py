@@ -1,0 +1,155 @@
+"""Fewer, bigger int8 matmuls: q/k/v as one linear, gate/up as one, exactly.
+
+Every decoder layer multiplies the same input by q, k and v (and by gate and up in the
+MLP). With our per-token int8 linears (quant_cpu) each of those calls also normalises
+the input again (abs, amax, divide, concatenate): five normalisations and five fbgemm
+calls where two of each do. Fusing is exact, not approximate: weights are quantised per
+output channel, so stacking the rows of q, k and v stacks their int8 values and scales
+unchanged; the activation scale is per token and the same input gives the same scale;
+and each output column is an integer dot product scaled by its own channel's scale, so
+it does not depend on which other columns are computed with it (tests/test_fused_int8.py
+checks the logits bitwise).
+
+Attention keeps transformers' forward: `q_proj`, `k_proj` and `v_proj` become views of
+one fused call (the first computes it, the others take their columns of the same
+result). The MLP's forward is three lines, so it is replaced whole.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from .quant_cpu import PerTokenInt8Linear
+
+ENV_VAR = "SPECDEC_FUSE"  # "0" loads without fusing (for measuring what fusion gains)
+
+# MLPs whose forward is exactly down(act(gate(x)) * up(x)); others keep their own forward.
+GATED_MLPS = frozenset({"Qwen2MLP", "Qwen3MLP", "LlamaMLP", "MistralMLP"})
+
+
+def _unpacked(linear: PerTokenInt8Linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(int8 values [out, in + 2], per-channel scales [out], zero points [out])."""
+    qweight, _ = torch.ops.quantized.linear_unpack(linear._packed)
+    return qweight.int_repr(), qweight.q_per_channel_scales(), qweight.q_per_channel_zero_points()
+
+
+def fuse_rows(parts: Sequence[PerTokenInt8Linear]) -> PerTokenInt8Linear:
+    """One int8 linear whose output is the parts' outputs side by side (same input)."""
+    in_features = parts[0].in_features
+    if any(p.in_features != in_features for p in parts):
+        raise ValueError("fused linears must share their input size")
+    unpacked = [_unpacked(p) for p in parts]
+    qweight = torch._make_per_channel_quantized_tensor(
+        torch.cat([u[0] for u in unpacked]),
+        torch.cat([u[1] for u in unpacked]),
+        torch.cat([u[2] for u in unpacked]),
+        0,
+    )
+    fused = PerTokenInt8Linear.__new__(PerTokenInt8Linear)
+    nn.Module.__init__(fused)
+    fused.in_features = in_features
+    fused.out_features = sum(p.out_features for p in parts)
+    fused._packed = torch.ops.quantized.linear_prepack(qweight, None)
+    biases = [p.bias for p in parts]
+    if all(b is None for b in biases):
+        fused.bias = None
+    else:
+        filled = [
+            b.detach() if b is not None else torch.zeros(p.out_features)
+            for b, p in zip(biases, parts, strict=True)
+        ]
+        fused.bias = nn.Parameter(torch.cat(filled), requires_grad=False)
+    fused.register_buffer("_bounds", parts[0]._bounds.clone(), persistent=False)
+    return fused
+
+
+class _SharedCall:
+    """Runs a fused linear once per input tensor; the projections take their columns."""
+
+    def __init__(self, linear: PerTokenInt8Linear, parts: int) -> None:
+        self.linear = linear
+        self.parts = parts
+        self._input: torch.Tensor | None = None
+        self._output: torch.Tensor | None = None
+        self._served = 0
+
+    def columns(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        # Identity, not equality: the projections of one forward get the very same tensor.
+        if x is not self._input or self._output is None:
+            self._input, self._output, self._served = x, self.linear(x), 0
+        out = self._output[..., start:end]
+        self._served += 1
+        if self._served == self.parts:  # every projection served: do not keep the tensors alive
+            self._input = self._output = None
+        return out
+
+
+class FusedProjection(nn.Module):
+    """Stands in for one of q_proj/k_proj/v_proj: its columns of the shared fused call."""
+
+    def __init__(self, shared: _SharedCall, start: int, end: int) -> None:
+        super().__init__()
+        self.shared = shared
+        self.fused = shared.linear  # registered, so the weights show up in modules()
+        self.start, self.end = start, end
+        self.out_features = end - start
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.shared.columns(x, self.start, self.end)
+
+
+class FusedGateUpMLP(nn.Module):
+    """down(act(gate(x)) * up(x)) with gate and up as one int8 linear."""
+
+    def __init__(self, gate_up: PerTokenInt8Linear, down: nn.Module, act_fn: nn.Module, intermediate: int):
+        super().__init__()
+        self.gate_up, self.down_proj, self.act_fn = gate_up, down, act_fn
+        self.intermediate = intermediate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up(x)  # [..., 2 * intermediate]
+        gate, up = gate_up[..., : self.intermediate], gate_up[..., self.intermediate :]
+        return self.down_proj(self.act_fn(gate) * up)
+
+
+def fuse_int8_projections(model: nn.Module) -> int:
+    """Fuse q/k/v and gate/up wherever all of them are our int8 linears; returns how many groups."""
+    fused = 0
+    for module in list(model.modules()):
+        names = ("q_proj", "k_proj", "v_proj")
+        parts = [getattr(module, n, None) for n in names]
+        if all(isinstance(p, PerTokenInt8Linear) for p in parts):
+            shared = _SharedCall(fuse_rows(parts), len(parts))  # type: ignore[arg-type]
+            start = 0
+            for name, part in zip(names, parts, strict=True):
+                setattr(module, name, FusedProjection(shared, start, start + part.out_features))  # type: ignore[union-attr]
+                start += part.out_features  # type: ignore[union-attr]
+            fused += 1
+        if type(module).__name__ not in GATED_MLPS:
+            continue
+        gate, up, down = (getattr(module, n, None) for n in ("gate_proj", "up_proj", "down_proj"))
+        if isinstance(gate, PerTokenInt8Linear) and isinstance(up, PerTokenInt8Linear) and down is not None:
+            parent, child = _parent_of(model, module)
+            mlp = FusedGateUpMLP(fuse_rows([gate, up]), down, module.act_fn, gate.out_features)
+            setattr(parent, child, mlp)
+            fused += 1
+    return fused
+
+
+def _parent_of(model: nn.Module, target: nn.Module) -> tuple[nn.Module, str]:
+    for name, module in model.named_modules():
+        if module is target:
+            parent_name, _, child = name.rpartition(".")
+            return (model.get_submodule(parent_name) if parent_name else model), child
+    raise ValueError("module not in model")
+
+
+def apply_fusion(model: nn.Module) -> int:
+    """What loading calls: fuse unless `SPECDEC_FUSE=0`; returns how many groups were fused."""
+    if os.environ.get(ENV_VAR, "1").strip() == "0":
+        return 0
+    return fuse_int8_projections(model)
