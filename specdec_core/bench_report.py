@@ -284,7 +284,7 @@ def roofline_markdown(
     )  # fmt: skip
     context = next(iter(models.values())).context_tokens if models else 0
     measured = (
-        f"{bandwidth / 1e9:.1f} GB/s measured (streaming sum of 1 GiB, best of 5)"
+        f"{bandwidth / 1e9:.1f} GB/s measured (streaming sum of 256 MiB, best of 5)"
         if bandwidth
         else "not measured"
     )

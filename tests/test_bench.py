@@ -207,6 +207,8 @@ def test_cost_curve_times_every_size(pair_dirs: tuple[Path, Path], tmp_path: Pat
     doc = json.loads(out.read_text())
     assert set(doc["target_min"]) == {"1", "2", "3", "4", "5", "6", "8", "10", "12", "16"}
     assert doc["draft_min"] > 0
+    assert doc["step_bytes"]["target"]["weights"] > 0 and doc["step_bytes"]["draft"]["kv_cache"] > 0
+    assert doc["bandwidth_bytes_per_s"] > 0
 
 
 # -- the peer: llama.cpp's server, played by a fake one --------------------------------------

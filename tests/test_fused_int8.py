@@ -11,7 +11,7 @@ from tiny import tiny_model
 from transformers import DynamicCache
 
 from specdec_core.batch_invariant import make_batch_invariant
-from specdec_core.bench import measure_fusion_gain
+from specdec_core.bench import measure_fusion_gain, step_bytes
 from specdec_core.engine import GenerationParams, SpeculativeEngine
 from specdec_core.events import DoneEvent
 from specdec_core.fused_int8 import FusedGateUpMLP, FusedProjection, apply_fusion, fuse_int8_projections
@@ -81,3 +81,14 @@ def test_fusion_gain_times_both_variants(int8_pair) -> None:
     gain = measure_fusion_gain(separate, sizes=(1, 3), repeats=1, context_tokens=8)
     assert gain is not None and set(gain.fused_min) == {1, 3}
     assert all(t > 0 for t in [*gain.separate_min.values(), *gain.fused_min.values()])
+
+
+def test_step_bytes_count_each_weight_once_whether_fused_or_not(int8_pair, tokenizer) -> None:
+    separate, fused = int8_pair
+    # The same weights (fused linears keep fewer 8-byte normalisation constants).
+    assert abs(step_bytes(separate).weights - step_bytes(fused).weights) < 100
+    plain = tiny_model(len(tokenizer), seed=0, layers=2, hidden=128)
+    embedding = plain.get_input_embeddings().weight.numel() * 4
+    all_fp32 = sum(t.numel() * t.element_size() for t in [*plain.parameters(), *plain.buffers()])
+    assert step_bytes(plain).weights == all_fp32 - embedding  # one embedding row per token, not the table
+    assert step_bytes(separate).weights < all_fp32 / 2  # int8 linears: a quarter of their fp32 bytes

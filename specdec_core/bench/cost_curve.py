@@ -134,8 +134,9 @@ def _kv_bytes(model: Any, context_tokens: int) -> int:
     return int(config.num_hidden_layers) * 2 * heads * head_dim * context_tokens * element
 
 
-def measure_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
-    """Bytes per second of a streaming read (a sum over `gib` GiB of fp32), best of `repeats`."""
+def measure_bandwidth(gib: float = 0.25, repeats: int = 5) -> float:
+    """Bytes per second of a streaming read (a sum over `gib` GiB of fp32, far beyond any
+    cache), best of `repeats`."""
     data = torch.ones(int(gib * 2**30) // 4)
     best = float("inf")
     for _ in range(repeats):
