@@ -142,31 +142,38 @@ def _bench(args: argparse.Namespace) -> int:
         everything: dict[str, Method] = {**built, **peers}
         start = time.perf_counter()
         label = str(exactness["label"]) if exactness else "unchecked"
-        bar = _BenchBar(progress)
-        results = run_bench(everything, prompts, target.tokenizer, settings, bar, label)
+        results = run_bench(everything, prompts, target.tokenizer, settings, _BenchBar(progress), label)
         wall = time.perf_counter() - start
     config = {
+        **_run_config(args, target, draft is not None, settings, len(prompts)),
+        "methods": list(everything),
+        "skipped_methods": skipped,
+        "exactness": exactness,
+        "wall_seconds": round(wall, 1),
+    }
+    _write_outputs(BenchReport.build(config, machine, results), args)
+    return 0
+
+
+def _run_config(
+    args: argparse.Namespace, target: Any, has_draft: bool, settings: BenchSettings, prompts: int
+) -> dict[str, Any]:
+    """What was asked and what it resolved to: the JSON's `config` (with what the run adds)."""
+    return {
         "command": _command_line(args),
-        "target": target_ref,
-        "draft": draft_spec if draft else None,
+        "target": args.target,
+        "draft": args.draft if has_draft else None,
         "device": target.device,
         "precision": target.precision,
         "max_new_tokens": settings.max_new_tokens,
         "repeats": settings.repeats,
         "warmup_tokens": settings.warmup_tokens,
-        "methods": list(everything),
-        "skipped_methods": skipped,
         "prompts_file": str(args.prompts) if args.prompts else "default suite",
-        "prompts": len(prompts),
+        "prompts": prompts,
         "auto_drafter": AUTO_DRAFTER,
         "draft_length": args.draft_length,
-        "exactness": exactness,
         "threads": _threads_config(),
-        "wall_seconds": round(wall, 1),
     }
-    report = BenchReport.build(config, machine, results)
-    _write_outputs(report, args)
-    return 0
 
 
 def _build_ours(methods: list[str], target: Any, draft: Any, draft_length: int | None) -> dict[str, Method]:
