@@ -20,6 +20,7 @@ import torch
 
 from ..kvcache import CachedModel
 from ..quant_cpu import PerTokenInt8Linear
+from ..threads import default_governor
 
 COST_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
 
@@ -46,6 +47,9 @@ def _synchronize(device: torch.device) -> None:
 def time_forward(runner: CachedModel, context: Sequence[int], m: int) -> float:
     """Seconds of one forward of m tokens after the cached context (then cropped off again)."""
     runner.crop(len(context))
+    # The thread count the engine would use now: at 2 threads beside a busy process every
+    # op waits for a descheduled thread, and the curve would time the machine, not the model.
+    default_governor().maybe_adjust()
     device = runner.device
     _synchronize(device)
     start = time.perf_counter()
