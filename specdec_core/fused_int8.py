@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 from torch import nn
@@ -134,7 +135,7 @@ def fuse_int8_projections(model: nn.Module) -> int:
         gate, up, down = (getattr(module, n, None) for n in ("gate_proj", "up_proj", "down_proj"))
         if isinstance(gate, PerTokenInt8Linear) and isinstance(up, PerTokenInt8Linear) and down is not None:
             parent, child = _parent_of(model, module)
-            mlp = FusedGateUpMLP(fuse_rows([gate, up]), down, module.act_fn, gate.out_features)
+            mlp = FusedGateUpMLP(fuse_rows([gate, up]), down, cast(nn.Module, module.act_fn), gate.out_features)
             setattr(parent, child, mlp)
             fused += 1
     return fused

@@ -27,6 +27,7 @@ def int8_available() -> bool:
 
 class PerTokenInt8Linear(nn.Module):
     _bounds: torch.Tensor
+    bias: nn.Parameter | None
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()

@@ -11,6 +11,11 @@ on the loaded model, on a short context, within a time budget (default 2 s):
     crop back to n; steps t_1, .., t_k -> logits B [k, V]   (k forwards)
 
 `bitwise`: A == B exactly, so greedy output equals the target alone's.
+
+Where torch runs more than one thread, two of the plain steps are repeated at one
+thread: if they still equal A, the thread count does not change the numbers either,
+and the process's thread governor may follow the machine's load mid-answer
+(threads.py); otherwise it keeps the count the check ran at.
 `near-ties may differ`: the largest |A - B| is reported; a token whose top two
 logits are closer than that may come out differently than without speculation
 (the output is still a faithful greedy decoding of the target up to that rounding).
@@ -24,8 +29,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .threads import default_governor
+
 if TYPE_CHECKING:
     from .engine import SpeculativeEngine
+    from .kvcache import CachedModel
 
 BITWISE = "bitwise"
 NEAR_TIES = "near-ties may differ"
@@ -40,6 +48,7 @@ class ExactnessReport:
     max_logit_diff: float  # max |verify logits - single-step logits| seen
     positions: int  # positions compared
     seconds: float  # time the check took
+    thread_invariant: bool = True  # plain steps at one thread gave the verify's logits too
 
     @property
     def bitwise(self) -> bool:
@@ -76,9 +85,33 @@ def check_exactness(engine: SpeculativeEngine, budget_s: float = 2.0) -> Exactne
             steps.append(runner.forward([token], logits_to_keep=1)[0])
             if len(steps) >= 2 and time.perf_counter() - start > budget_s:
                 break
+        thread_invariant = _same_at_one_thread(runner, context, tail[:2], verify[:2])
     finally:
         runner.reset()
     n = len(steps)
     diff = float((verify[:n] - torch.stack(steps)).abs().max())
     label = BITWISE if diff == 0.0 else NEAR_TIES
-    return ExactnessReport(label=label, max_logit_diff=diff, positions=n, seconds=time.perf_counter() - start)
+    default_governor().follow_load = thread_invariant and diff == 0.0
+    return ExactnessReport(
+        label=label,
+        max_logit_diff=diff,
+        positions=n,
+        seconds=time.perf_counter() - start,
+        thread_invariant=thread_invariant,
+    )
+
+
+def _same_at_one_thread(
+    runner: CachedModel, context: list[int], tail: list[int], expected: torch.Tensor
+) -> bool:
+    """Do plain steps at one thread reproduce `expected` (computed at the current count)?"""
+    threads = torch.get_num_threads()
+    if threads == 1:
+        return True  # nothing to compare with; a governor with one thread changes nothing
+    runner.crop(len(context))
+    torch.set_num_threads(1)
+    try:
+        steps = [runner.forward([token], logits_to_keep=1)[0] for token in tail]
+    finally:
+        torch.set_num_threads(threads)
+    return bool(torch.equal(torch.stack(steps), expected))

@@ -14,10 +14,13 @@ It drops threads at once when one of ours would share a core with more than half
 core of someone else's work, and adds one back only after two checks in a row with
 a free core (hysteresis: a brief lull does not bring the collapse back).
 
-The thread count never changes results: int8 and fp32 rows are computed by the same
-kernels whichever thread runs them (tests/test_threads.py compares 1 and 2 threads
-bitwise). `SPECDEC_THREADS=N` pins N threads (the governor then only applies it);
-unset or `auto` lets the governor choose between 1 and torch's initial count.
+A thread count changed in the middle of an answer must not change its numbers. Our
+int8 rows come out bitwise the same at 1 and 2 threads (tests/test_threads.py), but an
+fp32 matmul does not (measured ~4e-5 on a tiny model), so the process's governor
+follows the load only once the exactness self-check has seen plain steps at one thread
+reproduce a verify at the full count (`follow_load`, set by selfcheck.py); until then
+it keeps the count it has. `SPECDEC_THREADS=N` pins N threads (the governor then only
+applies it); unset or `auto` lets the governor choose between 1 and torch's initial count.
 
 Torch keeps the OpenMP thread count per calling thread, so the governor sets it from
 the thread that runs the forwards: the engine's step loop.
@@ -97,10 +100,12 @@ class ThreadGovernor:
         probe: LoadProbe | None = None,
         clock: Callable[[], float] = time.monotonic,
         interval_s: float = CHECK_INTERVAL_S,
+        follow_load: bool = True,
     ) -> None:
         self.max_threads = max(1, max_threads or torch.get_num_threads())
         self.cores = cores or len(_usable_cpus())
         self.pinned = pinned
+        self.follow_load = follow_load  # False: keep the thread count (results may depend on it)
         self._probe = probe
         self._clock = clock
         self._interval_s = interval_s
@@ -123,6 +128,8 @@ class ThreadGovernor:
     def maybe_adjust(self) -> None:
         """Called once per engine step: cheap unless a check is due."""
         if self.pinned is None:
+            if not self.follow_load:
+                return
             now = self._clock()
             if self._next_check is None:  # first call: start the measuring window
                 self._probe = self._probe or PsutilProbe()
@@ -171,5 +178,6 @@ def default_governor() -> ThreadGovernor:
     global _default
     with _default_lock:
         if _default is None:
-            _default = ThreadGovernor(pinned=parse_threads_setting(os.environ.get(ENV_VAR)))
+            # Follows the load once a self-check has shown that thread counts don't change results.
+            _default = ThreadGovernor(pinned=parse_threads_setting(os.environ.get(ENV_VAR)), follow_load=False)
         return _default

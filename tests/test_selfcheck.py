@@ -11,6 +11,7 @@ from specdec_core.batch_invariant import make_batch_invariant
 from specdec_core.engine import SpeculativeEngine
 from specdec_core.quant_cpu import int8_available, quantize_linears_int8
 from specdec_core.selfcheck import BITWISE, NEAR_TIES, check_exactness
+from specdec_core.threads import default_governor
 
 
 class _RowCountBias(torch.nn.Module):
@@ -49,3 +50,31 @@ def test_the_batch_invariant_int8_forward_checks_bitwise_and_leaves_no_cache(tok
 def test_a_zero_budget_still_compares_two_positions(tokenizer, target):
     report = check_exactness(SpeculativeEngine(target, tokenizer), budget_s=0.0)
     assert report.positions == 2
+
+
+class _ThreadCountBias(torch.nn.Module):
+    """A linear whose output shifts with torch's thread count (as an fp32 matmul may, in its last bits)."""
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__()
+        self.linear = linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) + 1e-3 * torch.get_num_threads()
+
+
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="needs two threads to compare with one")
+def test_the_thread_governor_follows_the_load_only_where_thread_counts_do_not_change_results(
+    tokenizer, target
+):
+    governor = default_governor()
+    saved = governor.follow_load
+    try:
+        report = check_exactness(SpeculativeEngine(target, tokenizer))
+        assert report.bitwise == (report.thread_invariant and governor.follow_load)
+        model = copy.deepcopy(target)
+        model.lm_head = _ThreadCountBias(model.lm_head)
+        report = check_exactness(SpeculativeEngine(model, tokenizer))
+        assert not report.thread_invariant and not governor.follow_load
+    finally:
+        governor.follow_load = saved

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from ..engine import GenerationParams, SpeculativeEngine
 from ..events import DoneEvent
+from ..selfcheck import check_exactness
 from ..threads import default_governor
 
 BUSY_LOOP = "while True: pass"
@@ -51,6 +52,8 @@ def measure_under_load(
     engine: SpeculativeEngine, prompt_ids: Sequence[int], max_new_tokens: int = 64, repeats: int = 1
 ) -> list[LoadRun]:
     """quiet/busy × pinned/auto, interleaved `repeats` times; the governor is restored after."""
+    # The governor follows the load only where the self-check saw thread counts not change results.
+    check_exactness(engine)
     governor = default_governor()
     saved = governor.pinned
     params = GenerationParams(max_new_tokens=max_new_tokens)
