@@ -21,7 +21,7 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
 from PySide6.QtCore import QElapsedTimer, Qt, QTimer
 from PySide6.QtGui import QColor
-from specdec_app import highlight
+from specdec_app import gc_guard, highlight
 from specdec_app.conversations import Conversation, ConversationStore, StoredMessage, StoredToken
 from specdec_app.highlight import Highlighter
 from specdec_app.main import build_main_window
@@ -72,7 +72,10 @@ def answer(count: int, seed: int = 0) -> StoredMessage:
 
 
 class Heartbeat:
-    """Beats every few ms on the UI thread; records each gap's wall and UI-thread CPU time."""
+    """Beats every few ms on the UI thread; records each gap's wall and UI-thread CPU time.
+
+    The app's timed garbage collection is held off meanwhile: its pauses follow what was
+    allocated (any open of a big file has them), not what the transcript draws."""
 
     def __init__(self, interval_ms: int = 5) -> None:
         self.wall: list[float] = []
@@ -84,6 +87,8 @@ class Heartbeat:
         self._timer.timeout.connect(self._beat)
 
     def __enter__(self) -> Heartbeat:
+        self._collector = gc_guard.suspended()  # the collector's pauses are not drawing
+        self._collector.__enter__()
         gc.collect()
         gc.freeze()
         self._last = (0.0, time.thread_time())
@@ -95,6 +100,7 @@ class Heartbeat:
         self._timer.stop()
         gc.unfreeze()
         gc.collect()  # now, not in a later test's measurement
+        self._collector.__exit__(*exc)
 
     def _beat(self) -> None:
         now = (self._clock.nsecsElapsed() / 1e6, time.thread_time())
