@@ -235,22 +235,17 @@ def _cost_curve(target: Any, draft: Any, machine: dict[str, Any], args: argparse
                 gains[name] = gain
     if gains:
         text += "\n" + fusion_markdown(gains)
-    sys.stdout.write(text)
-    if args.markdown:
-        args.markdown.write_text(text, encoding="utf-8")
-    if args.json:
-        doc = {
-            "machine": machine,
-            "target": target.ref,
-            "precision": target.precision,
-            **asdict(curve),
-            "step_bytes": {name: asdict(b) for name, b in models.items()},
-            "bandwidth_bytes_per_s": bandwidth,
-            "fused": _is_fused(target.model),
-            "fusion_gain": {name: asdict(g) for name, g in gains.items()},
-        }
-        args.json.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
-    return 0
+    doc = {
+        "machine": machine,
+        "target": target.ref,
+        "precision": target.precision,
+        **asdict(curve),
+        "step_bytes": {name: asdict(b) for name, b in models.items()},
+        "bandwidth_bytes_per_s": bandwidth,
+        "fused": _is_fused(target.model),
+        "fusion_gain": {name: asdict(g) for name, g in gains.items()},
+    }
+    return _write_report(text, doc, args)
 
 
 def _under_load(target: Any, prompt: BenchPrompt, machine: dict[str, Any], args: argparse.Namespace) -> int:
@@ -266,16 +261,21 @@ def _under_load(target: Any, prompt: BenchPrompt, machine: dict[str, Any], args:
     ids = encode_prompt(target.tokenizer, prompt)
     runs = measure_under_load(engine, ids, args.max_new_tokens, args.repeats)
     text = f"{target.ref} on {target.description}; {machine_line(machine)}\n\n" + under_load_markdown(runs)
+    doc = {
+        "machine": machine,
+        "target": target.ref,
+        "prompt": prompt.id,
+        "runs": [asdict(r) for r in runs],
+    }
+    return _write_report(text, doc, args)
+
+
+def _write_report(text: str, doc: dict[str, Any], args: argparse.Namespace) -> int:
+    """The markdown on stdout (and in --markdown), the document in --json."""
     sys.stdout.write(text)
     if args.markdown:
         args.markdown.write_text(text, encoding="utf-8")
     if args.json:
-        doc = {
-            "machine": machine,
-            "target": target.ref,
-            "prompt": prompt.id,
-            "runs": [asdict(r) for r in runs],
-        }
         args.json.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
     return 0
 
