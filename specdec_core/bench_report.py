@@ -96,7 +96,9 @@ def to_markdown(report: BenchReport) -> str:
         "# specdec bench",
         "",
         f"- command: `{c.get('command', '')}`",
-        f"- target `{c['target']}`, draft `{c['draft']}`, {c['device']} · {c['precision']}, greedy, "
+        f"- target `{c['target']}`, draft `{c['draft']}`, {c['device']} · {c['precision']}"
+        + (f" (draft {c['draft_precision']})" if c.get("draft_precision") not in (None, c["precision"]) else "")
+        + ", greedy, "
         f"{c['max_new_tokens']} new tokens, {c['repeats']} repeat(s) (median), {c['prompts']} prompts",
         f"- machine: {machine_line(report.machine)}",
         "",

@@ -191,6 +191,7 @@ def _report(
         doc: dict[str, Any] = {"prompt_token_ids": list(prompt_ids), "tokens": tokens, "text": done.text}
         doc["stats"] = stats.as_dict()  # with the self-check's exactness label and max logit difference
         doc["target"] = {"ref": args.target, "device": info.device, "precision": info.precision}
+        doc["draft"] = {"ref": info.draft, "precision": info.draft_precision or None}
         json.dump(doc, sys.stdout, ensure_ascii=False)
     sys.stdout.write("\n")
     sys.stdout.flush()

@@ -145,7 +145,7 @@ def _bench(args: argparse.Namespace) -> int:
         results = run_bench(everything, prompts, target.tokenizer, settings, _BenchBar(progress), label)
         wall = time.perf_counter() - start
     config = {
-        **_run_config(args, target, draft is not None, settings, len(prompts)),
+        **_run_config(args, target, draft, settings, len(prompts)),
         "methods": list(everything),
         "skipped_methods": skipped,
         "exactness": exactness,
@@ -156,15 +156,16 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _run_config(
-    args: argparse.Namespace, target: Any, has_draft: bool, settings: BenchSettings, prompts: int
+    args: argparse.Namespace, target: Any, draft: Any, settings: BenchSettings, prompts: int
 ) -> dict[str, Any]:
     """What was asked and what it resolved to: the JSON's `config` (with what the run adds)."""
     return {
         "command": _command_line(args),
         "target": args.target,
-        "draft": args.draft if has_draft else None,
+        "draft": args.draft if draft is not None else None,
         "device": target.device,
         "precision": target.precision,
+        "draft_precision": draft.precision if draft is not None else None,  # "int8/int4": 4-bit draft steps
         "max_new_tokens": settings.max_new_tokens,
         "repeats": settings.repeats,
         "warmup_tokens": settings.warmup_tokens,

@@ -9,11 +9,12 @@ tokenizer files (`compat.rate_draft`) before its weights are loaded, and refused
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .chat import stop_token_ids
 from .compat import rate_draft
+from .draft_int4 import speed_up_draft
 from .drafters import (
     NGRAM,
     NONE,
@@ -123,6 +124,8 @@ def load_draft(
         progress=progress,
         cancel=cancel,
     )
+    if draft.device == "cpu" and draft.precision == "int8" and speed_up_draft(draft.model):
+        draft = replace(draft, precision="int8/int4")  # 4-bit draft steps: the target still verifies
     return make_drafter(spec, target, draft), draft
 
 

@@ -16,9 +16,18 @@ Weights are int8 per output channel.
 from __future__ import annotations
 
 import warnings
+from typing import Protocol
 
 import torch
 from torch import nn
+
+
+class FewRowPath(Protocol):
+    """Another kernel for forwards of at most `max_rows` tokens (a draft's, see draft_int4)."""
+
+    max_rows: int
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
 def int8_available() -> bool:
@@ -28,6 +37,7 @@ def int8_available() -> bool:
 class PerTokenInt8Linear(nn.Module):
     _bounds: torch.Tensor
     bias: nn.Parameter | None
+    few_rows: FewRowPath | None = None  # never set on a target: it changes the numbers
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -50,13 +60,18 @@ class PerTokenInt8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).float()
+        if self.few_rows is not None and x2.shape[0] <= self.few_rows.max_rows:
+            return self._finish(self.few_rows.matmul(x2), shape, x.dtype)
         # x2: [T, in]; per-token scale s: [T, 1]
         s = x2.abs().amax(dim=1, keepdim=True).clamp_min(1e-12)
         normed = torch.cat([x2 / s, self._bounds.expand(x2.shape[0], 2)], dim=1)
         y = torch.ops.quantized.linear_dynamic(normed, self._packed, True) * s
+        return self._finish(y, shape, x.dtype)
+
+    def _finish(self, y: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         if self.bias is not None:
             y = y + self.bias
-        return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
+        return y.reshape(*shape[:-1], self.out_features).to(dtype)
 
 
 def quantize_linears_int8(model: nn.Module) -> int:

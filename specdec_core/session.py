@@ -82,6 +82,7 @@ class SessionInfo:
     context_length: int | None = None  # positions the pair can attend over (None: unknown)
     device: str = ""  # resolved: "cpu" | "cuda"
     precision: str = ""  # resolved: "fp32" | "bf16" | "fp16" | "int8" | "nf4"
+    draft_precision: str = ""  # the draft model's ("int8/int4": 4-bit draft steps); "" without one
 
 
 class ChatSession:
@@ -316,6 +317,7 @@ class ChatSession:
             context_length=min(lengths) if lengths else None,
             device=target.device,
             precision=target.precision,
+            draft_precision=pair.draft.precision if pair.draft is not None else "",
         )
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ..draft_int4 import Int4Weights
 from ..kvcache import CachedModel
 from ..quant_cpu import PerTokenInt8Linear
 from ..threads import default_governor
@@ -125,7 +126,9 @@ def step_bytes(model: Any, context_tokens: int = 200) -> StepBytes:
             continue
         weights += tensor.numel() * tensor.element_size()
     for module in model.modules():
-        if isinstance(module, PerTokenInt8Linear):
+        if isinstance(module, PerTokenInt8Linear) and isinstance(module.few_rows, Int4Weights):
+            weights += module.few_rows.nbytes  # a step takes the 4-bit path (draft_int4)
+        elif isinstance(module, PerTokenInt8Linear):
             weights += module.out_features * (module.in_features + 2) + 4 * module.out_features
     return StepBytes(weights, _kv_bytes(model, context_tokens), context_tokens)
 
