@@ -30,6 +30,9 @@ from dataclasses import dataclass, field
 # still follows a real change (longer context, another load on the machine) within 4.
 WINDOW = 7
 
+# At most this many verdicts' weight of acceptance carries from one answer to the next.
+CARRY_WEIGHT = 4.0
+
 
 @dataclass
 class CostModel:
@@ -165,6 +168,21 @@ class AcceptanceEstimate:
         """No verdict seen yet: the rate is the prior's guess, worth one try."""
         return sum(self.trials) == 0.0
 
+    def softened(self, weight: float = CARRY_WEIGHT) -> AcceptanceEstimate:
+        """A copy whose evidence counts as at most `weight` verdicts: the prior of a new answer.
+
+        The last answer's acceptance is a fair first guess for the next, but another topic
+        drafts differently (measured: carried whole from prose answers, an estimate near 0.3
+        kept the model draft off a whole arithmetic answer it drafted at 0.82), so a few new
+        verdicts must be able to outvote it.
+        """
+        copy = AcceptanceEstimate(len(self.trials), self.prior, self.prior_weight, self.decay)
+        total = sum(self.trials)
+        scale = min(1.0, weight / total) if total > 0 else 1.0
+        copy.hits = [h * scale for h in self.hits]
+        copy.trials = [t * scale for t in self.trials]
+        return copy
+
 
 class ConfidenceCalibration:
     """P(a draft token is accepted | the draft's top probability), learned per bin.
@@ -255,7 +273,7 @@ class DraftLengthController:
         """Keep what an earlier generation learned about acceptance (the next message of a
         chat is mostly like the last; forgetting still follows a change)."""
         if previous.max_k == self.max_k:
-            self.acceptance = previous.acceptance
+            self.acceptance = previous.acceptance.softened()
 
     def expected_rate(self, k: int, draft_cost: float) -> float | None:
         """Expected tokens per second when drafting k tokens (k = 0: a plain step)."""

@@ -59,9 +59,9 @@ class SourcePolicy:
 
     def carry_from(self, previous: SourcePolicy) -> None:
         """Keep what an earlier generation learned about each source's acceptance."""
-        if previous.max_k == self.max_k:
-            self.model = previous.model
-            self._lookup = previous._lookup
+        if previous.max_k == self.max_k:  # as a prior a few new verdicts can outvote
+            self.model = previous.model.softened()
+            self._lookup = {n: estimate.softened() for n, estimate in previous._lookup.items()}
 
     def lookup(self, n: int) -> AcceptanceEstimate:
         """The acceptance of copies after a match of n tokens."""

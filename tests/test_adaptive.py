@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 from tiny import tiny_model
 
-from specdec_core.adaptive import AcceptanceEstimate, CostModel, DraftLengthController
+from specdec_core.adaptive import CARRY_WEIGHT, AcceptanceEstimate, CostModel, DraftLengthController
 from specdec_core.drafters import ModelDrafter
 from specdec_core.engine import GenerationParams, SpeculativeEngine
 from specdec_core.stats import theoretical_speedup
@@ -118,3 +119,18 @@ def test_a_size_timed_earlier_never_looks_cheaper_than_a_smaller_one():
     # 1-token steps slowed by load just now; 2-token verify last timed when calm.
     costs = CostModel(verify={1: 0.30, 2: 0.12})
     assert costs.verify_seconds(2) == 0.30
+
+
+def test_acceptance_carried_to_a_new_answer_yields_to_a_few_new_verdicts() -> None:
+    prose = AcceptanceEstimate(4)
+    for _ in range(60):  # a long answer the draft rarely got right
+        prose.observe(4, 0)
+    carried = prose.softened()
+    assert sum(carried.trials) <= CARRY_WEIGHT + 1e-9
+    assert carried.rate(0) == pytest.approx(prose.rate(0), abs=0.15)  # still the first guess
+    for _ in range(6):  # the new answer drafts well from the start
+        carried.observe(4, 4)
+        prose.observe(4, 4)
+    assert carried.rate(0) > 0.6
+    assert prose.rate(0) < 0.4  # carried whole, the old answer would still outvote them
+    assert sum(prose.trials) > 10  # the original is left as it was
