@@ -56,6 +56,7 @@ class SourcePolicy:
         self.model = AcceptanceEstimate(max_k)
         self._lookup: dict[int, AcceptanceEstimate] = {}
         self.prober = Prober(probe_every)
+        self._probe_model = False  # flips at every probe: the next one drafts with the model
 
     def carry_from(self, previous: SourcePolicy) -> None:
         """Keep what an earlier generation learned about each source's acceptance."""
@@ -103,17 +104,33 @@ class SourcePolicy:
         plain = self.costs.verify_seconds(1)
         if plain is None:  # nothing measured yet: a moderate draft, copies if there are any
             return Choice(min(found, 4, budget), 0) if found > 0 else Choice(0, min(4, budget))
-        rate, best = max(self.options(budget, match_n, found, t_draft), key=lambda o: o[0])
+        options = self.options(budget, match_n, found, t_draft)
+        rate, best = max(options, key=lambda o: o[0])
         if rate > 1.0 / plain:
             self.prober.drafted()
             return best
         could_pay = found > 0 or perfect_draft_pays(self.costs, budget, t_draft)
         if self.prober.plain_step(could_pay) or self._untried(best, match_n):
-            return Choice(best.lookup_tokens, best.model_tokens, probe=True)
+            return self._probe(best, options)
         self.model.age()
         for estimate in self._lookup.values():
             estimate.age()
         return PLAIN
+
+    def _probe(self, best: Choice, options: list[tuple[float, Choice]]) -> Choice:
+        """A probe; every other one drafts with the model alone.
+
+        Probing only the best-looking option can starve the model draft: measured, after
+        prose answers its estimate sat below break-even, the probes went to prompt-lookup
+        copies that kept failing on an arithmetic answer, and the model, which drafted that
+        answer at 0.82 when asked first, was never re-measured.
+        """
+        self._probe_model = not self._probe_model
+        if self._probe_model and best.lookup_tokens:
+            model_only = [o for o in options if o[1].lookup_tokens == 0]
+            if model_only:
+                best = max(model_only, key=lambda o: o[0])[1]
+        return Choice(best.lookup_tokens, best.model_tokens, probe=True)
 
     def _untried(self, choice: Choice, match_n: int) -> bool:
         return (choice.model_tokens > 0 and self.model.untried) or (

@@ -307,3 +307,15 @@ def test_lookup_run_extended_by_the_model_keeps_the_target_distribution():
         samples.append(x1 * VOCAB + x2)
     assert spy.sources[0] is DraftSource.LOOKUP_MODEL
     assert chi_square_pvalue(samples, joint / joint.sum()) > 1e-3
+
+
+def test_probes_also_remeasure_a_model_draft_that_looks_worse_than_failing_copies():
+    # Both sources look unprofitable, the copies slightly less so: every other probe must
+    # still try the model, or a model that drafts this answer well is never found out.
+    steep = {m: 0.10 * (1 + 0.3 * (m - 1)) for m in range(1, 10)}  # a copy must be right 30% of the time
+    policy = policy_with(model_runs=[(4, 0)] * 30, lookup_runs=[(4, 0)] * 27 + [(4, 1)] * 3, verify=steep)
+    policy.prober.every = 2
+    probes = [c for c in (policy.choose(budget=8, match_n=3, found=4, t_draft=0.05) for _ in range(8)) if c.probe]
+    assert len(probes) == 4
+    assert any(p.lookup_tokens > 0 for p in probes)
+    assert any(p.lookup_tokens == 0 and p.model_tokens > 0 for p in probes)
