@@ -62,8 +62,9 @@ class Int4Weights:
         self.group = group
         self.max_rows = MAX_ROWS
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(values, 1)
-        self.scales_and_zeros = torch.stack([scale.squeeze(-1), zero.squeeze(-1)], dim=-1)
-        self.scales_and_zeros = self.scales_and_zeros.transpose(0, 1).contiguous().to(torch.bfloat16)
+        # The kernel's layout: [in / group, out, (scale, zero)].
+        pairs = torch.stack([scale.squeeze(-1), zero.squeeze(-1)], dim=-1)
+        self.scales_and_zeros = pairs.transpose(0, 1).contiguous().to(torch.bfloat16)
 
     @property
     def nbytes(self) -> int:
@@ -77,12 +78,6 @@ class Int4Weights:
         return out.float()
 
 
-def dequantized_int8(linear: PerTokenInt8Linear) -> torch.Tensor:
-    """The int8 linear's weights as floats [out, in] (its two constant columns dropped)."""
-    qweight, _ = torch.ops.quantized.linear_unpack(linear._packed)
-    return qweight.dequantize()[:, : linear.in_features]
-
-
 def attach(model: nn.Module) -> int:
     """Give every int8 linear of `model` a 4-bit path for few rows; returns how many.
 
@@ -93,15 +88,13 @@ def attach(model: nn.Module) -> int:
         if isinstance(module, PerTokenInt8Linear) and module.few_rows is None:
             group = group_size(module.in_features)
             if group is not None:
-                module.few_rows = Int4Weights(dequantized_int8(module), group)
+                module.few_rows = Int4Weights(module.dense_weight(), group)
                 count += 1
     return count
 
 
 def detach(model: nn.Module) -> None:
-    for module in model.modules():
-        if isinstance(module, PerTokenInt8Linear):
-            module.few_rows = None
+    _swap_out(model)
 
 
 def one_token_seconds(model: nn.Module, repeats: int) -> list[float]:
@@ -120,10 +113,10 @@ def speed_up_draft(model: nn.Module, repeats: int = 5) -> bool:
     """Attach the 4-bit path if it makes a draft step faster here; True if it was kept."""
     if os.environ.get(ENV_VAR, "1").strip() == "0" or not int4_available():
         return False
-    if not any(isinstance(m, PerTokenInt8Linear) for m in model.modules()):
-        return False
+    detach(model)  # judged afresh from int8
     try:
-        attach(model)
+        if attach(model) == 0:  # no int8 linears (a float draft), or none the kernel takes
+            return False
     except RuntimeError:  # a kernel this torch build lacks on this CPU
         detach(model)
         return False

@@ -52,8 +52,7 @@ def truncated_head_model(model: Any, rows: torch.Tensor) -> nn.Module:
 
 def _dense_weight(head: nn.Module) -> torch.Tensor:
     if isinstance(head, PerTokenInt8Linear):
-        qweight, _ = torch.ops.quantized.linear_unpack(head._packed)
-        return qweight.dequantize()[:, : head.in_features]  # drop the two constant columns
+        return head.dense_weight()
     weight = head.weight
     assert isinstance(weight, torch.Tensor)
     return weight.detach()

@@ -34,7 +34,7 @@ GATED_MLPS = frozenset({"Qwen2MLP", "Qwen3MLP", "LlamaMLP", "MistralMLP"})
 
 def _unpacked(linear: PerTokenInt8Linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(int8 values [out, in + 2], per-channel scales [out], zero points [out])."""
-    qweight, _ = torch.ops.quantized.linear_unpack(linear._packed)
+    qweight = linear.quantized_weight()
     return qweight.int_repr(), qweight.q_per_channel_scales(), qweight.q_per_channel_zero_points()
 
 

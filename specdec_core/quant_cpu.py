@@ -68,6 +68,15 @@ class PerTokenInt8Linear(nn.Module):
         y = torch.ops.quantized.linear_dynamic(normed, self._packed, True) * s
         return self._finish(y, shape, x.dtype)
 
+    def quantized_weight(self) -> torch.Tensor:
+        """The per-channel int8 weight [out, in + 2] (the last two columns are the zero-weight bounds)."""
+        qweight, _ = torch.ops.quantized.linear_unpack(self._packed)
+        return qweight
+
+    def dense_weight(self) -> torch.Tensor:
+        """The weights as floats [out, in], the two constant columns dropped."""
+        return self.quantized_weight().dequantize()[:, : self.in_features]
+
     def _finish(self, y: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         if self.bias is not None:
             y = y + self.bias
