@@ -98,6 +98,7 @@ def to_markdown(report: BenchReport) -> str:
         f"- command: `{c.get('command', '')}`",
         f"- target `{c['target']}`, draft `{c['draft']}`, {c['device']} · {c['precision']}"
         + (f" (draft {c['draft_precision']})" if c.get("draft_precision") not in (None, c["precision"]) else "")
+        + (f", int8 kernel {c['int8_kernel']}" if c.get("int8_kernel") else "")
         + ", greedy, "
         f"{c['max_new_tokens']} new tokens, {c['repeats']} repeat(s) (median), {c['prompts']} prompts",
         f"- machine: {machine_line(report.machine)}",

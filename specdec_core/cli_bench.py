@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 import time
@@ -166,6 +167,7 @@ def _run_config(
         "device": target.device,
         "precision": target.precision,
         "draft_precision": draft.precision if draft is not None else None,  # "int8/int4": 4-bit draft steps
+        "int8_kernel": _int8_kernel(target.device, target.precision),
         "max_new_tokens": settings.max_new_tokens,
         "repeats": settings.repeats,
         "warmup_tokens": settings.warmup_tokens,
@@ -175,6 +177,16 @@ def _run_config(
         "draft_length": args.draft_length,
         "threads": _threads_config(),
     }
+
+
+def _int8_kernel(device: str, precision: str) -> str | None:
+    """Which CPU int8 kernel the linears run (quant_cpu), with oneDNN's ISA cap if any."""
+    if device != "cpu" or precision != "int8":
+        return None
+    from .quant_cpu import ONEDNN_ISA_ENV, kernel_name
+
+    name = kernel_name()
+    return f"{name} ({os.environ[ONEDNN_ISA_ENV]})" if name == "onednn" and ONEDNN_ISA_ENV in os.environ else name
 
 
 def _build_ours(methods: list[str], target: Any, draft: Any, draft_length: int | None) -> dict[str, Method]:

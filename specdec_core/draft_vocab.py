@@ -37,25 +37,19 @@ def truncated_head_model(model: Any, rows: torch.Tensor) -> nn.Module:
     The original model is left as it is (a bench or the app may use it as a full draft).
     """
     head = model.get_output_embeddings()
-    small = nn.Linear(head.in_features, len(rows), bias=False)
-    with torch.no_grad():
-        small.weight.copy_(_dense_weight(head)[rows])
+    new_head: nn.Module
     if isinstance(head, PerTokenInt8Linear):
-        new_head: nn.Module = PerTokenInt8Linear(small)
+        values, scales = head.int8_weight()
+        new_head = PerTokenInt8Linear.from_int8(values[rows], scales[rows], None, head.kernel.name)
     else:
-        new_head = small.to(dtype=head.weight.dtype, device=head.weight.device)
+        new_head = nn.Linear(head.in_features, len(rows), bias=False)
+        with torch.no_grad():
+            new_head.weight.copy_(head.weight.detach()[rows])
+        new_head.to(dtype=head.weight.dtype, device=head.weight.device)
     view = copy.copy(model)
     view._modules = dict(model._modules)  # the body's modules are shared, only the head differs
     view.set_output_embeddings(new_head)
     return view
-
-
-def _dense_weight(head: nn.Module) -> torch.Tensor:
-    if isinstance(head, PerTokenInt8Linear):
-        return head.dense_weight()
-    weight = head.weight
-    assert isinstance(weight, torch.Tensor)
-    return weight.detach()
 
 
 def truncate_draft(drafter: ModelDrafter, n: int, always: Iterable[int] = ()) -> ModelDrafter:

@@ -2,7 +2,7 @@
 
 Every decoder layer multiplies the same input by q, k and v (and by gate and up in the
 MLP). With our per-token int8 linears (quant_cpu) each of those calls also normalises
-the input again (abs, amax, divide, concatenate): five normalisations and five fbgemm
+the input again (abs, amax, divide, round): five normalisations and five kernel
 calls where two of each do. Fusing is exact, not approximate: weights are quantised per
 output channel, so stacking the rows of q, k and v stacks their int8 values and scales
 unchanged; the activation scale is per token and the same input gives the same scale;
@@ -32,40 +32,21 @@ ENV_VAR = "SPECDEC_FUSE"  # "0" loads without fusing (for measuring what fusion 
 GATED_MLPS = frozenset({"Qwen2MLP", "Qwen3MLP", "LlamaMLP", "MistralMLP"})
 
 
-def _unpacked(linear: PerTokenInt8Linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(int8 values [out, in + 2], per-channel scales [out], zero points [out])."""
-    qweight = linear.quantized_weight()
-    return qweight.int_repr(), qweight.q_per_channel_scales(), qweight.q_per_channel_zero_points()
-
-
 def fuse_rows(parts: Sequence[PerTokenInt8Linear]) -> PerTokenInt8Linear:
     """One int8 linear whose output is the parts' outputs side by side (same input)."""
     in_features = parts[0].in_features
     if any(p.in_features != in_features for p in parts):
         raise ValueError("fused linears must share their input size")
-    unpacked = [_unpacked(p) for p in parts]
-    qweight = torch._make_per_channel_quantized_tensor(
-        torch.cat([u[0] for u in unpacked]),
-        torch.cat([u[1] for u in unpacked]),
-        torch.cat([u[2] for u in unpacked]),
-        0,
-    )
-    fused = PerTokenInt8Linear.__new__(PerTokenInt8Linear)
-    nn.Module.__init__(fused)
-    fused.in_features = in_features
-    fused.out_features = sum(p.out_features for p in parts)
-    fused._packed = torch.ops.quantized.linear_prepack(qweight, None)
+    weights = [p.int8_weight() for p in parts]
     biases = [p.bias for p in parts]
-    if all(b is None for b in biases):
-        fused.bias = None
-    else:
-        filled = [
-            b.detach() if b is not None else torch.zeros(p.out_features)
-            for b, p in zip(biases, parts, strict=True)
-        ]
-        fused.bias = nn.Parameter(torch.cat(filled), requires_grad=False)
-    fused.register_buffer("_bounds", parts[0]._bounds.clone(), persistent=False)
-    return fused
+    bias = None
+    if any(b is not None for b in biases):
+        bias = torch.cat(
+            [b.detach() if b is not None else torch.zeros(p.out_features) for b, p in zip(biases, parts, strict=True)]
+        )
+    return PerTokenInt8Linear.from_int8(
+        torch.cat([w[0] for w in weights]), torch.cat([w[1] for w in weights]), bias, parts[0].kernel.name
+    )
 
 
 class _SharedCall:

@@ -10,27 +10,85 @@ from tiny import hf_greedy
 
 from specdec_core.drafters import ModelDrafter, NgramDrafter
 from specdec_core.engine import GenerationParams, SpeculativeEngine
-from specdec_core.quant_cpu import PerTokenInt8Linear, int8_available, quantize_linears_int8
+from specdec_core.quant_cpu import (
+    KERNEL_ENV,
+    OnednnInt8,
+    PerTokenInt8Linear,
+    int8_available,
+    kernel_name,
+    quantize_linears_int8,
+    quantize_weight,
+)
 
-pytestmark = pytest.mark.skipif(not int8_available(), reason="this torch build has no fbgemm int8 kernels")
+pytestmark = pytest.mark.skipif(not int8_available(), reason="this torch build has no int8 kernels")
 
 
-def test_rows_are_bitwise_equal_batched_or_alone():
+def _kernels() -> list[str]:
+    names = ["fbgemm"] if "fbgemm" in torch.backends.quantized.supported_engines else []
+    return names + (["onednn"] if kernel_name() == "onednn" else [])
+
+
+@pytest.mark.parametrize("kernel", _kernels())
+def test_rows_are_bitwise_equal_batched_or_alone(kernel):
     torch.manual_seed(0)
-    layer = PerTokenInt8Linear(torch.nn.Linear(96, 200))
-    x = torch.randn(9, 96) * torch.logspace(-2, 2, 9)[:, None]  # rows of very different scales
+    layer = PerTokenInt8Linear(torch.nn.Linear(96, 200), kernel=kernel)
+    x = torch.randn(33, 96) * torch.logspace(-2, 2, 33)[:, None]  # rows of very different scales
     batched = layer(x)
-    alone = torch.cat([layer(x[i : i + 1]) for i in range(9)])
-    assert torch.equal(batched, alone)
+    for rows in (1, 2, 5, 16):
+        pieces = torch.cat([layer(x[i : i + rows]) for i in range(0, 33, rows)])
+        assert torch.equal(batched, pieces), rows
 
 
-def test_int8_stays_close_to_fp32():
+@pytest.mark.parametrize("kernel", _kernels())
+def test_int8_stays_close_to_fp32(kernel):
     torch.manual_seed(0)
     linear = torch.nn.Linear(256, 128)
     x = torch.randn(4, 256)
     ref = linear(x)
-    err = (PerTokenInt8Linear(linear)(x) - ref).abs().max() / ref.abs().max()
+    err = (PerTokenInt8Linear(linear, kernel=kernel)(x) - ref).abs().max() / ref.abs().max()
     assert err < 0.03
+
+
+@pytest.mark.parametrize("kernel", _kernels())
+def test_the_kernel_gives_back_the_weights_it_was_given(kernel):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(700, 37)  # more inputs than one read-back chunk
+    values, scales = quantize_weight(linear.weight)
+    layer = PerTokenInt8Linear(linear, kernel=kernel)
+    got_values, got_scales = layer.int8_weight()
+    assert torch.equal(got_values, values)
+    assert torch.equal(got_scales, scales)
+
+
+def test_onednn_returns_the_exact_integer_products():
+    if kernel_name() != "onednn":
+        pytest.skip("oneDNN does not sum int8 exactly on this CPU; fbgemm is used")
+    torch.manual_seed(0)
+    values = torch.randint(-127, 128, (50, 300), dtype=torch.int8)
+    kernel = OnednnInt8(values, torch.ones(50))
+    q = torch.randint(-127, 128, (7, 300), dtype=torch.int8)
+    sums = kernel._sums((q.short() + 128).to(torch.uint8))
+    assert torch.equal(sums, (q.long() @ values.long().t()).float())
+
+
+def test_onednn_layers_survive_a_deep_copy():
+    if kernel_name() != "onednn":
+        pytest.skip("oneDNN does not sum int8 exactly on this CPU; fbgemm is used")
+    layer = PerTokenInt8Linear(torch.nn.Linear(32, 16), kernel="onednn")
+    x = torch.randn(3, 32)
+    assert torch.equal(copy.deepcopy(layer)(x), layer(x))
+
+
+def test_int8_kernel_can_be_chosen_by_environment(monkeypatch):
+    if "fbgemm" not in torch.backends.quantized.supported_engines:
+        pytest.skip("no fbgemm in this torch build")
+    monkeypatch.setenv(KERNEL_ENV, "fbgemm")
+    kernel_name.cache_clear()
+    try:
+        assert PerTokenInt8Linear(torch.nn.Linear(8, 4)).kernel.name == "fbgemm"
+    finally:
+        monkeypatch.delenv(KERNEL_ENV)
+        kernel_name.cache_clear()
 
 
 @pytest.fixture(scope="module")

@@ -129,7 +129,7 @@ def step_bytes(model: Any, context_tokens: int = 200) -> StepBytes:
         if isinstance(module, PerTokenInt8Linear) and isinstance(module.few_rows, Int4Weights):
             weights += module.few_rows.nbytes  # a step takes the 4-bit path (draft_int4)
         elif isinstance(module, PerTokenInt8Linear):
-            weights += module.out_features * (module.in_features + 2) + 4 * module.out_features
+            weights += module.out_features * module.in_features + 4 * module.out_features
     return StepBytes(weights, _kv_bytes(model, context_tokens), context_tokens)
 
 
