@@ -9,12 +9,14 @@ torch's int4 CPU kernel (`_weight_int4pack_mm_for_cpu`, group-wise scales and ze
 points, bf16 arithmetic) is fast for one row and slows down quickly with more rows, so
 only forwards of at most `MAX_ROWS` tokens take it (draft steps, the catch-up after a
 verify); a prompt's prefill keeps the int8 path. Measured on the 0.5B draft at 2
-threads after a 200-token context, min of 7: 1 token 49 → 33 ms, 2 tokens 53 → 40,
-4 tokens 63 → 57, 8 tokens 83 → 97 (`specdec bench --cost-curve` reports the step).
+threads after a 200-token context, min of 7, against fbgemm's int8: 1 token 49 → 33 ms,
+2 tokens 53 → 40, 4 tokens 63 → 57, 8 tokens 83 → 97 (`specdec bench --cost-curve`
+reports the step).
 
-Where bf16 arithmetic is slow (CPUs without AVX512-BF16/AMX), the kernel can lose to
-fbgemm's int8, so `attach` times a whole 1-token forward both ways and keeps the 4-bit
-path only if it is faster (median of 5 each, interleaved). `SPECDEC_DRAFT_INT4=0` turns it off (for A/B measurements).
+Where bf16 arithmetic is slow (CPUs without AVX512-BF16/AMX), or the int8 kernel is
+fast (quant_cpu's oneDNN path), the 4-bit path can lose, so `speed_up_draft` times a
+whole 1-token forward both ways and keeps the 4-bit path only if it is faster (median
+of 5 each, interleaved). `SPECDEC_DRAFT_INT4=0` turns it off (for A/B measurements).
 """
 
 from __future__ import annotations
