@@ -216,6 +216,7 @@ class ModelDrafter:
         self.calibration = ConfidenceCalibration()
         self.early_stop = True
         self._confidences: list[float] = []
+        self._forward_times: list[tuple[int, float]] = []  # (tokens read, seconds) per forward of the last draft
 
     def start(self, plan: DraftPlan) -> None:
         self.costs = plan.costs
@@ -254,7 +255,11 @@ class ModelDrafter:
                 break  # never reached
             self.calibration.observe(confidence, position < accepted)
         self._confidences = []
-        self.costs.observe_draft(draft.forwards, draft.seconds)
+        if self._forward_times:
+            self.costs.observe_draft_first(self._forward_times[0][1])
+        one_token = [seconds for m, seconds in self._forward_times if m == 1]
+        self.costs.observe_draft(len(one_token), sum(one_token))
+        self._forward_times = []
 
     def propose(
         self,
@@ -266,6 +271,7 @@ class ModelDrafter:
     ) -> Draft:
         """Up to k tokens continuing `tokens`; `reach` is the chance the first is even checked."""
         self._confidences = []
+        self._forward_times = []
         if k <= 0:
             return Draft(tokens=[], probs=None, seconds=0.0)
         start = time.perf_counter()
@@ -278,9 +284,12 @@ class ModelDrafter:
         drafted: list[int] = []
         dists: list[torch.Tensor] = []
         for _ in range(k):
+            forward_start = time.perf_counter()
             logits = self._fit_vocab(self.runner.forward(pending, logits_to_keep=1)[-1])
             probs = sampling.probs(logits)
-            chance = self.calibration.accept_chance(float(probs.max()))
+            confidence = float(probs.max())  # reading it waits for an accelerator's kernels
+            self._forward_times.append((len(pending), time.perf_counter() - forward_start))
+            chance = self.calibration.accept_chance(confidence)
             # Its forward is paid; the token is still not worth the verify's extra position.
             if drafted and self.early_stop and reach * chance < self._break_even(len(drafted), False):
                 break
@@ -288,7 +297,7 @@ class ModelDrafter:
             token = int(logits.argmax()) if sampling.greedy else sample(probs, generator)
             drafted.append(token)
             dists.append(probs)
-            self._confidences.append(float(probs.max()))
+            self._confidences.append(confidence)
             pending = [token]
             # The next token, about as likely as this one, would not pay for its forward.
             if self.early_stop and reach * chance < self._break_even(len(drafted), True):

@@ -4,15 +4,18 @@ Per step, each option's expected tokens per second (after `adaptive`) is
 
     plain               1 / t_verify(1)
     lookup, k <= L      E_lookup(k) / t_verify(k + 1)                       (copying is free)
-    model, k            E_model(k) / (k t_draft + t_verify(k + 1))
-    lookup + model, j   (E_lookup(L) + S_lookup(L) (E_model(j) - 1)) / (j t_draft + t_verify(L + j + 1))
+    model, k            E_model(k) / (t_first + k t_draft + t_verify(k + 1))
+    lookup + model, j   (E_lookup(L) + S_lookup(L) (E_model(j) - 1))
+                            / (t_first + j t_draft + t_verify(L + j + 1))
 
 with L the tokens the lookup found, E the expected committed tokens and S the chance
 all L copied tokens are accepted, from each source's own measured per-position
-acceptance. Lookup acceptance is kept per match length n (a 4-token match predicts
-better than a 2-token one). The best option wins; "lookup first" is no longer a rule,
-so an excellent draft model is never pre-empted by worse copies (measured: trying
-lookup first pulled acceptance down to 0.33 with a draft identical to the target).
+acceptance; t_draft is a one-token draft forward and t_first what the model's first
+forward typically costs on top (it also reads the tokens the draft has not seen yet;
+`adaptive.CostModel`). Lookup acceptance is kept per match length n (a 4-token match
+predicts better than a 2-token one). The best option wins; "lookup first" is no longer
+a rule, so an excellent draft model is never pre-empted by worse copies (measured:
+trying lookup first pulled acceptance down to 0.33 with a draft identical to the target).
 
 Under greedy decoding the lookup is scored for free at every step it was not used:
 its tokens are compared with the tokens the target committed, which is exactly the
@@ -78,8 +81,9 @@ class SourcePolicy:
             seconds = draft_seconds + verify[drafted + 1]
             return tokens / seconds if seconds > 0 else 0.0
 
+        first = self.costs.first_forward_extra()
         model = self.model.expected_curve(budget)
-        out = [(rate(model[k], k * t_draft, k), Choice(0, k)) for k in range(1, budget + 1)]
+        out = [(rate(model[k], first + k * t_draft, k), Choice(0, k)) for k in range(1, budget + 1)]
         if found <= 0:
             return out
         copies = self.lookup(match_n).expected_curve(budget)
@@ -89,7 +93,7 @@ class SourcePolicy:
         reach = copies[n_copied] - copies[n_copied - 1]
         for j in range(1, budget - n_copied + 1):
             tokens = copies[n_copied] + reach * (model[j] - 1.0)
-            out.append((rate(tokens, j * t_draft, n_copied + j), Choice(n_copied, j)))
+            out.append((rate(tokens, first + j * t_draft, n_copied + j), Choice(n_copied, j)))
         return out
 
     def choose(self, budget: int, match_n: int, found: int, t_draft: float) -> Choice:

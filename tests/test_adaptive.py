@@ -101,6 +101,22 @@ def test_calibration_measures_target_and_draft_costs(tokenizer, target):
     assert engine.target.ids == []  # calibration leaves no context behind
 
 
+def test_a_drafts_first_forward_is_kept_apart_from_the_one_token_cost():
+    # The first forward also reads the tokens the draft has not seen; counted as one
+    # forward's cost it would make every further draft token look dearer.
+    costs = CostModel()
+    assert costs.first_forward_extra() == 0.0
+    for _ in range(3):
+        costs.observe_draft_first(0.07)
+        costs.observe_draft(3, 0.15)
+    assert costs.draft_token == pytest.approx(0.05)
+    assert costs.first_forward_extra() == pytest.approx(0.02)
+    costs.observe_draft_first(2.0)  # a prompt read at the first draft is one outlier among them
+    assert costs.first_forward_extra() == pytest.approx(0.02)
+    costs.forget_draft()
+    assert costs.draft_token is None and costs.draft_first is None
+
+
 def test_one_stalled_forward_does_not_move_the_cost():
     # On a shared machine a forward now and then takes 10x: the median ignores it,
     # so the controller does not avoid a draft length for the rest of the run.

@@ -54,6 +54,18 @@ def test_short_lookup_run_is_extended_by_a_good_model():
     assert choice.lookup_tokens == 2 and choice.model_tokens > 0
 
 
+def test_a_costly_first_draft_forward_tips_a_close_step_to_lookup():
+    # Both sources draft well; what decides is that the model's first forward costs as
+    # much as a verify (it reads the tokens it has not seen yet), and copying costs nothing.
+    policy = policy_with(model_runs=[(4, 4)] * 30, lookup_runs=[(4, 2), (4, 1)] * 15)
+    assert policy.choose(budget=4, match_n=3, found=4, t_draft=0.02).model_tokens > 0
+    for _ in range(3):
+        policy.costs.observe_draft(3, 0.06)
+        policy.costs.observe_draft_first(0.12)
+    choice = policy.choose(budget=4, match_n=3, found=4, t_draft=0.02)
+    assert choice.lookup_tokens > 0 and choice.model_tokens == 0
+
+
 def test_lookup_acceptance_is_kept_per_match_length():
     policy = policy_with(model_runs=[(4, 1)] * 30, lookup_runs=[(4, 4)] * 30, match_n=4)
     for _ in range(30):
@@ -230,6 +242,17 @@ def test_the_next_message_starts_from_the_acceptance_learned_so_far(tokenizer, t
         e for e in engine.generate(prompt, GenerationParams(max_new_tokens=8)) if isinstance(e, StepEvent)
     ]
     assert [s.proposed for s in steps] == [0] * len(steps)  # no fresh try of a draft known to fail
+
+
+def test_model_draft_times_its_first_forward_apart(tokenizer, target):
+    drafter = ModelDrafter(tiny_model(len(tokenizer), seed=1), "d")
+    costs = CostModel(verify=dict(CPU_VERIFY))
+    drafter.start(DraftPlan(costs=costs, pinned=3))
+    prompt = tokenizer("def add(a, b):")["input_ids"]
+    draft = drafter.propose(prompt, 3, GenerationParams().sampling, None)
+    drafter.observe(draft, 3, [], True)
+    # The first forward read the whole prompt; the two after it one token each.
+    assert costs.draft_first is not None and costs.draft_token is not None
 
 
 def test_model_draft_stops_early_when_confidence_is_too_low_to_pay(tokenizer, target):
