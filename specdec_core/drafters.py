@@ -256,7 +256,7 @@ class ModelDrafter:
             self.calibration.observe(confidence, position < accepted)
         self._confidences = []
         if self._forward_times:
-            self.costs.observe_draft_first(self._forward_times[0][1])
+            self.costs.observe_draft_first(*self._forward_times[0])
         one_token = [seconds for m, seconds in self._forward_times if m == 1]
         self.costs.observe_draft(len(one_token), sum(one_token))
         self._forward_times = []

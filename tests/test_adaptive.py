@@ -106,12 +106,14 @@ def test_a_drafts_first_forward_is_kept_apart_from_the_one_token_cost():
     # forward's cost it would make every further draft token look dearer.
     costs = CostModel()
     assert costs.first_forward_extra() == 0.0
+    costs.observe_draft_first(60, 2.0)  # the prompt, read at the model's first draft
+    assert costs.draft_first is None  # a debt paid once, not what a draft step costs
     for _ in range(3):
-        costs.observe_draft_first(0.07)
+        costs.observe_draft_first(2, 0.07)
         costs.observe_draft(3, 0.15)
     assert costs.draft_token == pytest.approx(0.05)
     assert costs.first_forward_extra() == pytest.approx(0.02)
-    costs.observe_draft_first(2.0)  # a prompt read at the first draft is one outlier among them
+    costs.observe_draft_first(17, 0.5)  # the catch-up after 16 plain steps
     assert costs.first_forward_extra() == pytest.approx(0.02)
     costs.forget_draft()
     assert costs.draft_token is None and costs.draft_first is None

@@ -61,7 +61,7 @@ def test_a_costly_first_draft_forward_tips_a_close_step_to_lookup():
     assert policy.choose(budget=4, match_n=3, found=4, t_draft=0.02).model_tokens > 0
     for _ in range(3):
         policy.costs.observe_draft(3, 0.06)
-        policy.costs.observe_draft_first(0.12)
+        policy.costs.observe_draft_first(2, 0.12)
     choice = policy.choose(budget=4, match_n=3, found=4, t_draft=0.02)
     assert choice.lookup_tokens > 0 and choice.model_tokens == 0
 
@@ -249,10 +249,14 @@ def test_model_draft_times_its_first_forward_apart(tokenizer, target):
     costs = CostModel(verify=dict(CPU_VERIFY))
     drafter.start(DraftPlan(costs=costs, pinned=3))
     prompt = tokenizer("def add(a, b):")["input_ids"]
-    draft = drafter.propose(prompt, 3, GenerationParams().sampling, None)
+    sampling = GenerationParams().sampling
+    draft = drafter.propose(prompt, 3, sampling, None)
     drafter.observe(draft, 3, [], True)
-    # The first forward read the whole prompt; the two after it one token each.
-    assert costs.draft_first is not None and costs.draft_token is not None
+    # The first forward read the whole prompt (not booked); the two after it one token each.
+    assert costs.draft_first is None and costs.draft_token is not None
+    bonus = 7  # all three accepted, then the target's token: the next draft reads two tokens
+    drafter.observe(drafter.propose([*prompt, *draft.tokens, bonus], 3, sampling, None), 0, [], True)
+    assert costs.draft_first is not None
 
 
 def test_model_draft_stops_early_when_confidence_is_too_low_to_pay(tokenizer, target):
