@@ -121,16 +121,6 @@ class CostModel:
         return max(1e-9, mean_t + slope * (m - mean_m))
 
 
-def _observe_median(values: dict[int, float], recent: dict[int, deque[float]], m: int, seconds: float) -> None:
-    """Add one timing of size m; `values[m]` becomes the median of the last few."""
-    window = recent.get(m)
-    if window is None:
-        # A value given at construction counts as the first measurement.
-        window = recent[m] = deque([values[m]] if m in values else [], WINDOW)
-    window.append(seconds)
-    values[m] = statistics.median(window)
-
-
 def _median_with(recent: deque[float], current: float | None, seconds: float) -> float:
     """Add one timing; the median of the last few (a value set by hand counts as the first)."""
     if not recent and current is not None:
