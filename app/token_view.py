@@ -35,7 +35,9 @@ from .transcript_writer import TOKEN_SOURCE, TranscriptWriter, Work, WriterStyle
 __all__ = ["LIVE_REFRESH_MS", "SLICE_MS", "TOKEN_SOURCE", "TokenView", "token_tooltip"]
 
 LIVE_REFRESH_MS = 40  # ~25 redraws a second look smooth and leave the UI thread idle
-SLICE_MS = 12  # writing per event-loop turn: well under the 50 ms a user notices
+# Writing per event-loop turn. Qt's layout at the end of the slice and the paint after it
+# add as much again at times, and a turn must stay well under the 50 ms a user notices.
+SLICE_MS = 8
 
 SOURCE_WORDS = {
     "accepted": "accepted draft token: the target agreed with the draft",

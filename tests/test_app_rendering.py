@@ -89,6 +89,8 @@ class Heartbeat:
     def __enter__(self) -> Heartbeat:
         self._collector = gc_guard.suspended()  # the collector's pauses are not drawing
         self._collector.__enter__()
+        self._gc_was_enabled = gc.isenabled()
+        gc.disable()  # as in the app, where gc_guard collects on a timer (suspended above)
         gc.collect()
         gc.freeze()
         self._last = (0.0, time.thread_time())
@@ -100,6 +102,8 @@ class Heartbeat:
         self._timer.stop()
         gc.unfreeze()
         gc.collect()  # now, not in a later test's measurement
+        if self._gc_was_enabled:
+            gc.enable()
         self._collector.__exit__(*exc)
 
     def _beat(self) -> None:
