@@ -3,15 +3,18 @@
 Each step we pick the k that maximises expected tokens per second:
 
     E[tokens | k] = 1 + sum_{j=1..k} prod_{i<=j} a_i          (a_i: P(accept i | accepted 1..i-1))
-    T(k)          = k * t_draft + t_verify(k + 1)
+    T(k)          = t_first + k * t_draft + t_verify(k + 1)
     k*            = argmax_k E[tokens | k] / T(k),   k = 0 meaning a plain target step
 
 Nothing is assumed: t_verify(m) is timed for every target forward of m tokens
 (on a CPU a 10-token verify costs clearly more than a 1-token step), t_draft for
-every draft forward, and a_i from the verdicts. Timings are the median of the last
-few: on a shared machine one forward now and then stalls for 5-20x its cost (an
-OpenMP thread descheduled; measured in docs/performance.md), and an average would
-carry such a spike into many steps, or forever for a size the controller then avoids.
+every one-token draft forward, t_first for what a draft's first forward costs on top,
+and a_i from the verdicts. Timings are medians of the last few: on a shared machine
+one forward now and then stalls for 5-20x its cost (an OpenMP thread descheduled;
+measured in docs/performance.md), and an average would carry such a spike into many
+steps, or forever for a size the controller then avoids. Each is kept as the machine's
+current speed times the kind's usual cost (`CostModel`), so a kind not timed lately
+still follows the machine.
 
 When k = 0 wins, speculation is off until a probe re-measures acceptance, so a
 prompt the draft cannot predict costs at most a probe every `probe_every` steps
@@ -24,11 +27,15 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 
-# Timings kept per forward size. The median of 7 ignores up to 3 stalled forwards and
-# still follows a real change (longer context, another load on the machine) within 4.
+# Timings kept per kind of forward. The median of 7 ignores up to 3 stalled forwards and
+# still follows a real change (a longer context) within 4.
 WINDOW = 7
+
+# The machine's speed is the median ratio of the last few forwards of any kind to their
+# usual cost: several forwards a step, so it follows a change within a step or two.
+SCALE_WINDOW = 7
 
 # A draft's first forward reads the last committed token, and after a fully accepted
 # step also the last draft token (never fed back): the steady state's catch-up.
@@ -37,10 +44,22 @@ STEADY_FIRST_TOKENS = 2
 # At most this many verdicts' weight of acceptance carries from one answer to the next.
 CARRY_WEIGHT = 4.0
 
+# The kinds of forward timed: a target forward of m tokens (an int), or these two.
+DRAFT_TOKEN = "draft token"
+DRAFT_FIRST = "draft first"
+Kind = int | str
 
-@dataclass
+
 class CostModel:
     """Measured seconds of a target forward by number of tokens, and of a draft's forwards.
+
+    Each cost is the machine's current speed (`scale`) times the kind's usual cost at that
+    speed (its shape). On a shared desktop the speed drifts by a third within minutes,
+    and a policy re-times only the forwards it runs: timed apart, a plain step's cost
+    followed the machine while the draft and the larger verifies kept the figures of a
+    slower moment, so drafting looked worse than it was and plain steps went on (measured:
+    25 in a row on a prompt the model drafted well). So every forward, of any kind, moves
+    the common scale, and each kind keeps only its cost relative to the others.
 
     A draft's first forward also reads the tokens the draft model has not seen yet, and
     on this CPU that makes it dearer than the one-token forwards after it (measured on
@@ -54,33 +73,70 @@ class CostModel:
     drafted at 0.90, after the prompt's read became the first timing).
     """
 
-    verify: dict[int, float] = field(default_factory=dict)  # m tokens -> median recent seconds
-    draft_token: float | None = None  # median recent seconds of a one-token draft forward
-    draft_first: float | None = None  # median recent seconds of a draft's first forward
-    # Used before anything is measured: verifying m tokens ~ (1 + slope * (m - 1)) x one step.
-    prior_slope: float = 0.1
-    _verify_recent: dict[int, deque[float]] = field(default_factory=dict, repr=False)
-    _draft_recent: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW), repr=False)
-    _first_recent: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW), repr=False)
+    def __init__(
+        self,
+        verify: Mapping[int, float] | None = None,
+        draft_token: float | None = None,
+        draft_first: float | None = None,
+        prior_slope: float = 0.1,
+    ) -> None:
+        # Used before anything is measured: verifying m tokens ~ (1 + slope * (m - 1)) x one step.
+        self.prior_slope = prior_slope
+        self.scale = 1.0
+        self._ratios: deque[float] = deque(maxlen=SCALE_WINDOW)
+        self._shape: dict[Kind, float] = {}
+        self._samples: dict[Kind, deque[float]] = {}
+        given: list[tuple[Kind, float | None]] = [*(verify or {}).items()]
+        given += [(DRAFT_TOKEN, draft_token), (DRAFT_FIRST, draft_first)]
+        for kind, seconds in given:  # values given here count as first measurements
+            if seconds is not None:
+                self._observe(kind, seconds)
 
+    # -- what is known ------------------------------------------------------------------
+    @property
+    def verify(self) -> dict[int, float]:
+        """Seconds of a target forward by number of tokens, for the sizes timed so far."""
+        return {m: self.scale * shape for m, shape in self._shape.items() if isinstance(m, int)}
+
+    @property
+    def draft_token(self) -> float | None:
+        """Seconds of a one-token draft forward."""
+        return self._seconds(DRAFT_TOKEN)
+
+    @property
+    def draft_first(self) -> float | None:
+        """Seconds of a draft's first forward in the steady state."""
+        return self._seconds(DRAFT_FIRST)
+
+    def _seconds(self, kind: Kind) -> float | None:
+        shape = self._shape.get(kind)
+        return None if shape is None else self.scale * shape
+
+    # -- timings ------------------------------------------------------------------------
     def observe_verify(self, m: int, seconds: float) -> None:
-        recent = self._verify_recent.get(m)
-        if recent is None:
-            # A value given at construction counts as the first measurement.
-            recent = self._verify_recent[m] = deque([self.verify[m]] if m in self.verify else [], WINDOW)
-        recent.append(seconds)
-        self.verify[m] = statistics.median(recent)
+        self._observe(m, seconds)
 
     def observe_draft(self, forwards: int, seconds: float) -> None:
         """`forwards` one-token draft forwards took `seconds` in all."""
-        if forwards <= 0:
-            return
-        self.draft_token = _median_with(self._draft_recent, self.draft_token, seconds / forwards)
+        if forwards > 0:
+            self._observe(DRAFT_TOKEN, seconds / forwards)
 
     def observe_draft_first(self, tokens: int, seconds: float) -> None:
         """A draft's first forward read `tokens` tokens in `seconds`."""
         if tokens <= STEADY_FIRST_TOKENS:
-            self.draft_first = _median_with(self._first_recent, self.draft_first, seconds)
+            self._observe(DRAFT_FIRST, seconds)
+
+    def _observe(self, kind: Kind, seconds: float) -> None:
+        """One timing: it moves the common scale (if its kind has a usual cost), then its
+        kind's usual cost at that scale. Medians on both sides, so a stalled forward moves
+        neither; the scale's window is shared by all kinds and so follows the machine faster."""
+        shape = self._shape.get(kind)
+        if shape is not None and shape > 0:
+            self._ratios.append(seconds / shape)
+            self.scale = statistics.median_low(self._ratios)
+        samples = self._samples.setdefault(kind, deque(maxlen=WINDOW))
+        samples.append(seconds / self.scale)
+        self._shape[kind] = statistics.median(samples)
 
     def first_forward_extra(self) -> float:
         """What a draft's first forward typically costs over a one-token one (0 until both are measured)."""
@@ -88,27 +144,35 @@ class CostModel:
             return 0.0
         return max(0.0, self.draft_first - self.draft_token)
 
+    def draft_seconds(self, k: int, per_token: float) -> float:
+        """What drafting k tokens costs at `per_token` a forward (0 for a model-free
+        drafter): k forwards, and the first one's extra once."""
+        if k <= 0 or per_token <= 0:
+            return 0.0
+        return self.first_forward_extra() + k * per_token
+
     def forget_draft(self) -> None:
         """A new drafter has its own cost."""
-        self.draft_token = self.draft_first = None
-        self._draft_recent.clear()
-        self._first_recent.clear()
+        for kind in (DRAFT_TOKEN, DRAFT_FIRST):
+            self._shape.pop(kind, None)
+            self._samples.pop(kind, None)
 
     def verify_seconds(self, m: int) -> float | None:
         """t_verify(m), never below a smaller size's: a size last timed in a calm moment
         must not look cheaper than a smaller one timed under load just now."""
-        t = self._fitted_verify_seconds(m)
+        verify = self.verify
+        t = self._fitted_verify_seconds(verify, m)
         if t is None:
             return None
-        return max(t, max((v for n, v in self.verify.items() if n < m), default=0.0))
+        return max(t, max((v for n, v in verify.items() if n < m), default=0.0))
 
-    def _fitted_verify_seconds(self, m: int) -> float | None:
+    def _fitted_verify_seconds(self, verify: dict[int, float], m: int) -> float | None:
         """Measured t_verify(m), else interpolated/extrapolated from a least-squares line."""
-        if m in self.verify:
-            return self.verify[m]
-        if not self.verify:
+        if m in verify:
+            return verify[m]
+        if not verify:
             return None
-        points = sorted(self.verify.items())
+        points = sorted(verify.items())
         if len(points) == 1:
             m0, t0 = points[0]
             unit = t0 / (1 + self.prior_slope * (m0 - 1))
@@ -121,21 +185,13 @@ class CostModel:
         return max(1e-9, mean_t + slope * (m - mean_m))
 
 
-def _median_with(recent: deque[float], current: float | None, seconds: float) -> float:
-    """Add one timing; the median of the last few (a value set by hand counts as the first)."""
-    if not recent and current is not None:
-        recent.append(current)
-    recent.append(seconds)
-    return statistics.median(recent)
-
-
 def perfect_draft_pays(costs: CostModel, limit: int, draft_cost: float) -> bool:
     """Would a draft that is always accepted beat a plain step, for some k <= limit?"""
     plain = costs.verify_seconds(1)
     if plain is None:
         return True
     return any(
-        (k + 1) / (k * draft_cost + (costs.verify_seconds(k + 1) or 0.0)) > 1.0 / plain
+        (k + 1) / (costs.draft_seconds(k, draft_cost) + (costs.verify_seconds(k + 1) or 0.0)) > 1.0 / plain
         for k in range(1, limit + 1)
     )
 
@@ -316,7 +372,7 @@ class DraftLengthController:
         t_verify = self.costs.verify_seconds(k + 1)
         if t_verify is None:
             return None
-        return self.acceptance.expected_tokens(k) / (k * draft_cost + t_verify)
+        return self.acceptance.expected_tokens(k) / (self.costs.draft_seconds(k, draft_cost) + t_verify)
 
     def best(self, limit: int, draft_cost: float) -> tuple[int, float]:
         """The k in 1..limit with the highest expected rate, and that rate (0 if unmeasured)."""

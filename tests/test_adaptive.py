@@ -133,6 +133,32 @@ def test_one_stalled_forward_does_not_move_the_cost():
     assert costs.verify[4] == 0.2
 
 
+def test_a_machine_that_sped_up_during_plain_steps_makes_drafting_look_as_cheap_as_it_is():
+    # The draft and the 2-token verify were timed in a slow moment; plain steps re-time only
+    # the 1-token verify. Each cost kept apart, drafting one token looked worse than a plain
+    # step (1.6 tokens in 0.173 s vs 1 in 0.100 s) although the whole machine had sped up.
+    costs = CostModel(verify={1: 0.115, 2: 0.130}, draft_token=0.043)
+    controller = DraftLengthController(max_k=8, costs=costs)
+    for _ in range(6):
+        costs.observe_verify(1, 0.100)
+    speedup = 0.100 / 0.115
+    assert costs.verify_seconds(2) == pytest.approx(0.130 * speedup)
+    assert costs.draft_token == pytest.approx(0.043 * speedup)
+    draft_cost = costs.draft_token
+    assert controller.expected_rate(1, draft_cost) > controller.expected_rate(0, draft_cost)
+
+
+def test_a_kind_that_got_dearer_on_its_own_keeps_its_new_cost():
+    # A longer context makes the 4-token verify dearer while 1-token steps stay as they were:
+    # the common scale must not spread that to the other kinds, nor hide it.
+    costs = CostModel(verify={1: 0.10, 4: 0.15})
+    for _ in range(6):
+        costs.observe_verify(1, 0.10)
+        costs.observe_verify(4, 0.20)
+    assert costs.verify_seconds(4) == pytest.approx(0.20, rel=0.05)
+    assert costs.verify_seconds(1) == pytest.approx(0.10, rel=0.05)
+
+
 def test_a_size_timed_earlier_never_looks_cheaper_than_a_smaller_one():
     # 1-token steps slowed by load just now; 2-token verify last timed when calm.
     costs = CostModel(verify={1: 0.30, 2: 0.12})
