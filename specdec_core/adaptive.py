@@ -33,8 +33,9 @@ from collections.abc import Mapping
 # still follows a real change (a longer context) within 4.
 WINDOW = 7
 
-# The machine's speed is the median ratio of the last few forwards of any kind to their
-# usual cost: several forwards a step, so it follows a change within a step or two.
+# The machine's speed is the low median ratio of the last few forwards of any kind to
+# their usual cost (a stall only ever reads slower): several forwards a step, so it
+# follows a change within a step or two.
 SCALE_WINDOW = 7
 
 # A draft's first forward reads the last committed token, and after a fully accepted
