@@ -6,6 +6,10 @@ and QElapsedTimer), but the bound is on the UI thread's own CPU time between two
 beats: on a shared CI machine the wall-clock gap also counts time the OS gave to
 other processes, which says nothing about this code. Garbage from earlier tests is
 frozen first, so that a full collection of their heap does not land in a gap.
+
+Even CPU time has stalls the code did not cause (page faults, a virtual CPU's stolen
+time), so a measurement passes if one of three tries stays under the bound: code that
+holds the thread does so on every try.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import gc
 import os
 import random
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -29,6 +34,7 @@ from specdec_app.theme import DARK_TINTS, LIGHT_TINTS
 from specdec_app.token_view import TOKEN_SOURCE, TokenView
 
 MAX_UI_GAP_MS = 50.0
+TRIES = 3
 RENDER_TIMEOUT_MS = 120_000
 SOURCES = ("accepted", "accepted", "accepted", "corrected", "bonus", "target")
 PROSE = [
@@ -112,13 +118,32 @@ class Heartbeat:
         self.cpu.append((now[1] - self._last[1]) * 1000)
         self._last = now
 
-    def assert_responsive(self, what: str) -> None:
-        assert len(self.cpu) >= 3, f"{what}: too short to measure ({len(self.cpu)} beats)"
+    def miss(self) -> str | None:
+        """Why this measurement fails the bound, or None."""
+        if len(self.cpu) < 3:
+            return f"too short to measure ({len(self.cpu)} beats)"
         worst = max(range(len(self.cpu)), key=self.cpu.__getitem__)
-        assert self.cpu[worst] < MAX_UI_GAP_MS, (
-            f"{what}: the UI thread worked {self.cpu[worst]:.0f} ms without a break "
+        if self.cpu[worst] < MAX_UI_GAP_MS:
+            return None
+        return (
+            f"the UI thread worked {self.cpu[worst]:.0f} ms without a break "
             f"(wall gap {self.wall[worst]:.0f} ms; longest wall gap {max(self.wall):.0f} ms)"
         )
+
+
+def assert_responsive(what: str, run: Callable[[], None]) -> None:
+    """`run` (start some work and wait for it) keeps the UI thread free in one of TRIES tries."""
+    misses: list[str] = []
+    for _ in range(TRIES):
+        with Heartbeat() as beat:
+            run()
+        miss = beat.miss()
+        if miss is None:
+            return
+        misses.append(miss)
+        if len(beat.cpu) < 3:
+            break  # not a stall: the work is too short for the measurement
+    pytest.fail(f"{what}: " + "; ".join(misses))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -144,27 +169,30 @@ def _rendered(qtbot, view: TokenView, action) -> None:
 
 def test_finishing_a_2000_token_answer_keeps_what_streamed_and_never_holds_the_ui_thread(qtbot, view):
     message = answer(2000)
-    view.render_messages([StoredMessage("user", "explain")])
-    document = view.document()
-    fed = [0]
 
-    def stream() -> None:  # the worker's pace: a batch of tokens every few ms, then the end
-        fed[0] = min(len(message.tokens), fed[0] + 40)
-        view.update_live(message.tokens[: fed[0]])
-        if fed[0] == len(message.tokens):
-            feeder.stop()
-            view.finish_live(message)
+    def stream_and_finish() -> None:
+        view.render_messages([StoredMessage("user", "explain")])
+        qtbot.waitUntil(lambda: not view.is_rendering(), timeout=RENDER_TIMEOUT_MS)
+        document = view.document()
+        fed = [0]
 
-    feeder = QTimer(interval=8)
-    feeder.timeout.connect(stream)
-    with Heartbeat() as beat:
+        def feed() -> None:  # the worker's pace: a batch of tokens every few ms, then the end
+            fed[0] = min(len(message.tokens), fed[0] + 40)
+            view.update_live(message.tokens[: fed[0]])
+            if fed[0] == len(message.tokens):
+                feeder.stop()
+                view.finish_live(message)
+
+        feeder = QTimer(interval=8)
+        feeder.timeout.connect(feed)
         view.begin_live("Assistant")
         feeder.start()
         qtbot.waitUntil(
             lambda: view.message_count() == 2 and not view.is_rendering(), timeout=RENDER_TIMEOUT_MS
         )
-    beat.assert_responsive("streaming and finishing a 2,000-token answer")
-    assert view.document() is document  # finished in place: nothing was rendered again
+        assert view.document() is document  # finished in place: nothing was rendered again
+
+    assert_responsive("streaming and finishing a 2,000-token answer", stream_and_finish)
     assert view.toPlainText().count("Regenerate") == 1 and "Draft: test" in view.toPlainText()
 
     streamed = (view.toPlainText(), view.rendered_sources())
@@ -179,14 +207,16 @@ def test_a_20000_token_conversation_opens_and_switches_theme_without_holding_the
         messages += [StoredMessage("user", f"question {seed}"), answer(2000, seed)]
     assert sum(len(m.tokens) for m in messages) == 20_000
 
-    with Heartbeat() as opening:
-        _rendered(qtbot, view, lambda: view.render_messages(messages))
-    opening.assert_responsive("opening a 20,000-token conversation")
+    assert_responsive(
+        "opening a 20,000-token conversation",
+        lambda: _rendered(qtbot, view, lambda: view.render_messages(messages)),
+    )
     assert view.message_count() == 20 and view.toPlainText().count("Regenerate") == 10
 
-    with Heartbeat() as switching:
-        _rendered(qtbot, view, lambda: view.set_tints(DARK_TINTS))
-    switching.assert_responsive("switching the theme of a 20,000-token conversation")
+    assert_responsive(
+        "switching the theme of a 20,000-token conversation",
+        lambda: _rendered(qtbot, view, lambda: view.set_tints(DARK_TINTS)),
+    )
     dark = {DARK_TINTS.accepted.name(), DARK_TINTS.corrected.name(), DARK_TINTS.bonus.name()}
     # Untinted target tokens in inline code keep the code background.
     assert dark <= view.tinted_backgrounds() <= dark | {DARK_TINTS.code_background.name()}
@@ -241,15 +271,21 @@ def test_the_window_opens_and_saves_a_20000_token_conversation_without_holding_t
     qtbot.addWidget(window)
     window.show()
 
-    with Heartbeat() as opening:
+    def open_long() -> None:
         with qtbot.waitSignal(window.conversationOpened, timeout=RENDER_TIMEOUT_MS):
             QTimer.singleShot(20, lambda: window.open_conversation(long.id))
         qtbot.waitUntil(lambda: not window.view.is_rendering(), timeout=RENDER_TIMEOUT_MS)
-    opening.assert_responsive("opening a 20,000-token conversation in the window")
+
+    assert_responsive("opening a 20,000-token conversation in the window", open_long)
     assert window.conversation.id == long.id and window.view.message_count() == 20
 
-    with Heartbeat() as saving, qtbot.waitSignal(window.chat.library.saved, timeout=RENDER_TIMEOUT_MS):
-        QTimer.singleShot(20, lambda: window.rename_conversation(long.id, "Long one"))
-    saving.assert_responsive("saving a 20,000-token conversation")
-    assert window.conversation_list.item(0).text() == "Long one"
-    assert ConversationStore().load(long.id).title == "Long one"
+    titles: list[str] = []
+
+    def rename() -> None:  # a new title each try, so that each one is saved
+        titles.append(f"Long one ({len(titles) + 1})")
+        with qtbot.waitSignal(window.chat.library.saved, timeout=RENDER_TIMEOUT_MS):
+            QTimer.singleShot(20, lambda: window.rename_conversation(long.id, titles[-1]))
+
+    assert_responsive("saving a 20,000-token conversation", rename)
+    assert window.conversation_list.item(0).text() == titles[-1]
+    assert ConversationStore().load(long.id).title == titles[-1]
