@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .adaptive import AcceptanceEstimate, CostModel, Prober, perfect_draft_pays
+from .adaptive import AcceptanceEstimate, CostModel, Prober, Stretcher, perfect_draft_pays
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,7 @@ class SourcePolicy:
         self.model = AcceptanceEstimate(max_k)
         self._lookup: dict[int, AcceptanceEstimate] = {}
         self.prober = Prober(probe_every)
+        self.stretcher = Stretcher()
         self._probe_model = False  # flips at every probe: the next one drafts with the model
 
     def carry_from(self, previous: SourcePolicy) -> None:
@@ -111,7 +112,10 @@ class SourcePolicy:
         rate, best = max(options, key=lambda o: o[0])
         if rate > 1.0 / plain:
             self.prober.drafted()
-            return best
+            if not best.model_tokens:
+                return best  # copies: the match decides how far they go
+            room = budget - best.lookup_tokens
+            return Choice(best.lookup_tokens, self.stretcher.stretch(best.model_tokens, room, self.model))
         could_pay = found > 0 or perfect_draft_pays(self.costs, budget, t_draft)
         if self.prober.plain_step(could_pay) or self._untried(best, match_n):
             return self._probe(best, options)

@@ -178,3 +178,25 @@ def test_acceptance_carried_to_a_new_answer_yields_to_a_few_new_verdicts() -> No
     assert carried.rate(0) > 0.6
     assert prose.rate(0) < 0.4  # carried whole, the old answer would still outvote them
     assert sum(prose.trials) > 10  # the original is left as it was
+
+
+def test_one_rejection_at_the_second_position_does_not_keep_drafts_at_one_token() -> None:
+    costs = CostModel(verify={m: 0.10 * (1 + 0.12 * (m - 1)) for m in range(1, 10)}, draft_token=0.045)
+    before = DraftLengthController(max_k=8, costs=costs)
+    for _ in range(30):
+        before.observe(4, 4)
+    controller = DraftLengthController(max_k=8, costs=costs)
+    controller.carry_from(before)
+    controller.observe(4, 1)  # position 2 rejected: its rate now rests on this verdict
+    lengths = []
+    for _ in range(8):
+        k = controller.choose_k(drafter_is_model=True)
+        lengths.append(k)
+        controller.observe(k, k)  # all accepted
+    assert lengths[0] == 1 and max(lengths) >= 3
+
+
+def test_a_well_tested_short_draft_is_not_stretched() -> None:
+    # Position 2 is rejected often and recently: k = 1 is right and stays as planned.
+    controller = controller_with({m: 0.10 * (1 + 0.12 * (m - 1)) for m in range(1, 10)}, 0.045, [(2, 1)] * 30)
+    assert [controller.choose_k(drafter_is_model=True) for _ in range(8)] == [1] * 8

@@ -346,3 +346,20 @@ def test_probes_also_remeasure_a_model_draft_that_looks_worse_than_failing_copie
     assert len(probes) == 4
     assert any(p.lookup_tokens > 0 for p in probes)
     assert any(p.lookup_tokens == 0 and p.model_tokens > 0 for p in probes)
+
+
+def test_one_rejection_at_the_second_position_does_not_keep_model_drafts_at_one_token():
+    # Carried from a well-drafted answer, then position 2 rejected once: its rate rests on
+    # that verdict, and k = 1 alone would never test position 2 again.
+    costs = CostModel(verify=dict(CPU_VERIFY), draft_token=0.045)
+    before = policy_with(model_runs=[(4, 4)] * 30)
+    policy = SourcePolicy(costs, max_k=8)
+    policy.carry_from(before)
+    policy.observe(Choice(0, 4), 0, proposed_model=4, accepted=1)
+    lengths = []
+    for _ in range(8):
+        choice = policy.choose(budget=8, match_n=0, found=0, t_draft=0.045)
+        lengths.append(choice.model_tokens)
+        policy.observe(choice, 0, choice.model_tokens, choice.model_tokens)  # all accepted
+    assert lengths[0] == 1  # the rejection is believed at first ...
+    assert max(lengths) >= 3  # ... and tested again within a few steps (was 11 steps at 1)
