@@ -268,7 +268,8 @@ class AcceptanceEstimate:
 
     def thin_and_low(self, i: int) -> bool:
         """Position i + 1 looks worse than the rest on too few verdicts to be sure."""
-        return self.evidence(i) < THIN_EVIDENCE and self.rate(i) < self._pooled()
+        pooled = self._pooled()
+        return self.evidence(i) < THIN_EVIDENCE and self.rate(i, pooled) < pooled
 
     @property
     def untried(self) -> bool:

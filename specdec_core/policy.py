@@ -83,7 +83,10 @@ class SourcePolicy:
             return tokens / seconds if seconds > 0 else 0.0
 
         model = self.model.expected_curve(budget)
-        out = [(rate(model[k], self.costs.draft_seconds(k, t_draft), k), Choice(0, k)) for k in range(1, budget + 1)]
+        out = [
+            (rate(model[k], self.costs.draft_seconds(k, t_draft), k), Choice(0, k))
+            for k in range(1, budget + 1)
+        ]
         if found <= 0:
             return out
         copies = self.lookup(match_n).expected_curve(budget)
@@ -93,7 +96,9 @@ class SourcePolicy:
         reach = copies[n_copied] - copies[n_copied - 1]
         for j in range(1, budget - n_copied + 1):
             tokens = copies[n_copied] + reach * (model[j] - 1.0)
-            out.append((rate(tokens, self.costs.draft_seconds(j, t_draft), n_copied + j), Choice(n_copied, j)))
+            out.append(
+                (rate(tokens, self.costs.draft_seconds(j, t_draft), n_copied + j), Choice(n_copied, j))
+            )
         return out
 
     def choose(self, budget: int, match_n: int, found: int, t_draft: float) -> Choice:
