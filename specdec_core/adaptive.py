@@ -33,6 +33,13 @@ from collections.abc import Mapping
 # still follows a real change (a longer context) within 4.
 WINDOW = 7
 
+# A verify size's own timings count once it has this many (a median of fewer can be one
+# stalled forward); until then it is read off the line through the sizes that have them.
+# Without this, one stall on the first timing of a size the calibration skipped made that
+# size look twice its cost; the draft's early stop then never drafted far enough to re-time
+# it (measured: a whole 16-prompt bench with every draft cut to one token).
+ESTABLISHED = 3
+
 # The machine's speed is the low median ratio of the last few forwards of any kind to
 # their usual cost (a stall only ever reads slower): several forwards a step, so it
 # follows a change within a step or two.
@@ -167,11 +174,18 @@ class CostModel:
     def verify_seconds(self, m: int) -> float | None:
         """t_verify(m), never below a smaller size's: a size last timed in a calm moment
         must not look cheaper than a smaller one timed under load just now."""
-        verify = self.verify
+        verify = self._verify_points()
         t = self._fitted_verify_seconds(verify, m)
         if t is None:
             return None
         return max(t, max((v for n, v in verify.items() if n < m), default=0.0))
+
+    def _verify_points(self) -> dict[int, float]:
+        """The verify sizes the estimate rests on: those timed `ESTABLISHED` times, once two
+        sizes are (the calibration times four); before that, every size timed."""
+        verify = self.verify
+        established = {m: t for m, t in verify.items() if len(self._samples[m]) >= ESTABLISHED}
+        return established if len(established) >= 2 else verify
 
     def _fitted_verify_seconds(self, verify: dict[int, float], m: int) -> float | None:
         """Measured t_verify(m), else interpolated/extrapolated from a least-squares line."""

@@ -84,6 +84,9 @@ class GenerationStats:
     verify_seconds: float = 0.0
     target_token_seconds: float = 0.0  # t_verify(1): one plain target step
     draft_token_seconds: float = 0.0  # t_draft: one draft forward
+    # What the engine believed a verify of m = 1, 2, ... tokens costs when the run ended:
+    # the costs its draft lengths were chosen by.
+    verify_curve: tuple[float, ...] = ()
     baseline_measured: bool = False
     # From the engine's exactness self-check: "bitwise" | "near-ties may differ" | "unchecked".
     exactness: str = "unchecked"
@@ -138,6 +141,7 @@ class GenerationStats:
         """JSON-ready, with the derived figures included."""
         plain = {name: getattr(self, name) for name in self.__dataclass_fields__}
         plain["per_position_acceptance"] = list(self.per_position_acceptance)
+        plain["verify_curve"] = list(self.verify_curve)
         plain["k_histogram"] = {str(k): v for k, v in sorted(self.k_histogram.items())}
         for name in (
             "acceptance_rate",
@@ -220,6 +224,7 @@ class StatsAccumulator:
             verify_seconds=self.verify_seconds,
             target_token_seconds=costs.verify_seconds(1) or 0.0,
             draft_token_seconds=costs.draft_token or 0.0,
+            verify_curve=tuple(costs.verify_seconds(m) or 0.0 for m in range(1, self.max_draft_length + 2)),
             baseline_measured=1 in costs.verify,
             exactness=self.exactness,
             max_logit_diff=self.max_logit_diff,

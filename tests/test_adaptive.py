@@ -168,6 +168,21 @@ def test_a_size_timed_earlier_never_looks_cheaper_than_a_smaller_one():
     assert costs.verify_seconds(2) == 0.30
 
 
+def test_a_size_timed_once_in_a_stall_does_not_make_longer_verifies_look_dearer() -> None:
+    # The calibration times 1, 2, 4 and 8 tokens; 3 is first timed while drafting, and
+    # that first timing can be a stall. Taken alone it made every size from 3 up cost 3x.
+    costs = CostModel()
+    for _ in range(3):
+        for m in (1, 2, 4, 8):
+            costs.observe_verify(m, CPU_VERIFY[m])
+    costs.observe_verify(3, 3 * CPU_VERIFY[3])
+    for m in range(1, 10):
+        assert costs.verify_seconds(m) == pytest.approx(CPU_VERIFY[m], rel=0.02)
+    for _ in range(2):  # its own timings count once there are enough to outvote the stall
+        costs.observe_verify(3, 1.2 * CPU_VERIFY[3])
+    assert costs.verify_seconds(3) == pytest.approx(1.2 * CPU_VERIFY[3])
+
+
 def test_acceptance_carried_to_a_new_answer_yields_to_a_few_new_verdicts() -> None:
     prose = AcceptanceEstimate(4)
     for _ in range(60):  # a long answer the draft rarely got right

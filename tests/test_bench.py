@@ -26,6 +26,7 @@ from specdec_core.bench import (
 from specdec_core.bench.results import prompt_results
 from specdec_core.cli import main
 from specdec_core.errors import SpecdecError
+from specdec_core.threads import default_governor
 from tests.tiny import perturbed, tiny_model, tiny_tokenizer
 
 PROMPTS = [
@@ -66,8 +67,11 @@ def report(pair_dirs: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactor
     target, draft = pair_dirs
     # One thread: tiny matmuls gain nothing from two, and on a busy machine an OpenMP
     # barrier waiting for a descheduled thread costs ~10 ms a call (measured).
+    # Pinned through the process's governor: set on torch alone, the governor made during
+    # the run would take one thread as the machine's most for every later test.
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    governor = default_governor()
+    governor.pin(1)
     out = tmp_path_factory.mktemp("bench-out")
     prompts = out / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps(p) for p in PROMPTS) + "\n")
@@ -100,6 +104,7 @@ def report(pair_dirs: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactor
             str(out / "bench.png"),
         ]
     )
+    governor.pin(None)
     torch.set_num_threads(threads)
     assert code == 0
     doc = json.loads((out / "bench.json").read_text())

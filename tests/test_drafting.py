@@ -6,7 +6,7 @@ import pytest
 import torch
 from tiny import hf_greedy, perturbed, tiny_model
 
-from specdec_core.adaptive import CostModel, DraftLengthController
+from specdec_core.adaptive import ConfidenceCalibration, CostModel, DraftLengthController
 from specdec_core.drafters import (
     DraftPlan,
     DraftSource,
@@ -271,6 +271,25 @@ def test_model_draft_stops_early_when_confidence_is_too_low_to_pay(tokenizer, ta
     assert len(full.tokens) == 8
     assert 1 <= len(short.tokens) < 8
     assert short.tokens == full.tokens[: len(short.tokens)]
+
+
+def test_one_stalled_verify_timing_does_not_cut_every_draft_to_one_token(tokenizer, target):
+    # The early stop weighs a second token against the verify's extra position. If that
+    # cost rests on one stalled timing, every draft stops after one token and the size
+    # that would re-time it is never verified again.
+    drafter = ModelDrafter(target, "same")
+    for b in range(ConfidenceCalibration.BINS):  # a draft that is always right, and knows it
+        for _ in range(20):
+            drafter.calibration.observe((b + 0.5) / ConfidenceCalibration.BINS, True)
+    costs = CostModel()
+    for _ in range(3):  # what the calibration times
+        for m in (1, 2, 4, 8):
+            costs.observe_verify(m, CPU_VERIFY[m])
+        costs.observe_draft(1, 0.02)
+    costs.observe_verify(3, 3 * CPU_VERIFY[3])  # the first 3-token verify, in a stall
+    drafter.start(DraftPlan(costs=costs))
+    prompt = tokenizer("def add(a, b):")["input_ids"]
+    assert len(drafter.propose(prompt, 8, GenerationParams().sampling, None).tokens) == 8
 
 
 def test_stop_token_is_flagged_counted_and_kept_out_of_the_text(tokenizer, target):

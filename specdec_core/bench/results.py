@@ -41,6 +41,10 @@ class EngineFigures:
     engine_measured_speedup: float  # the engine's own estimate (vs its timed 1-token step)
     stop_reason: str
     exactness: str = "unchecked"  # the pair's self-check label (selfcheck.py)
+    # The costs the draft lengths were chosen by, at the end of the run: a one-token draft
+    # forward and a verify of m = 1, 2, ... tokens, in milliseconds.
+    draft_token_ms: float = 0.0
+    verify_ms: list[float] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -96,6 +100,8 @@ def _engine_figures(stats: GenerationStats, speedup_vs_target: float, exactness:
         engine_measured_speedup=stats.measured_speedup,
         stop_reason=stats.stop_reason,
         exactness=exactness,
+        draft_token_ms=1000 * stats.draft_token_seconds,
+        verify_ms=[1000 * t for t in stats.verify_curve],
     )
 
 
