@@ -35,9 +35,10 @@ WINDOW = 7
 
 # A verify size's own timings count once it has this many (a median of fewer can be one
 # stalled forward); until then it is read off the line through the sizes that have them.
-# Without this, one stall on the first timing of a size the calibration skipped made that
-# size look twice its cost; the draft's early stop then never drafted far enough to re-time
-# it (measured: a whole 16-prompt bench with every draft cut to one token).
+# Taken alone, one stalled first timing of a size the calibration skips (a 3-token verify
+# at 284 ms, between 112 for 2 tokens and 133 for 4) priced every longer verify as high,
+# since none may look cheaper than a smaller one; the draft's early stop then cut every
+# draft to one token, and the size was never timed again.
 ESTABLISHED = 3
 
 # The machine's speed is the low median ratio of the last few forwards of any kind to
