@@ -291,7 +291,7 @@ class ModelDrafter:
             self._forward_times.append((len(pending), time.perf_counter() - forward_start))
             chance = self.calibration.accept_chance(confidence)
             # Its forward is paid; the token is still not worth the verify's extra position.
-            if drafted and self.early_stop and reach * chance < self._break_even(len(drafted), False):
+            if drafted and self.early_stop and reach * chance < self._break_even(forward=False):
                 break
             reach *= chance
             token = int(logits.argmax()) if sampling.greedy else sample(probs, generator)
@@ -300,7 +300,7 @@ class ModelDrafter:
             self._confidences.append(confidence)
             pending = [token]
             # The next token, about as likely as this one, would not pay for its forward.
-            if self.early_stop and reach * chance < self._break_even(len(drafted), True):
+            if self.early_stop and reach * chance < self._break_even(forward=True):
                 break
         return Draft(
             tokens=drafted,
@@ -311,18 +311,16 @@ class ModelDrafter:
             requested=k,
         )
 
-    def _break_even(self, drafted: int, forward: bool) -> float:
+    def _break_even(self, forward: bool) -> float:
         """The chance of acceptance below which one more draft token costs more than it
         brings: the verify's extra position (and a draft forward, if not yet paid),
-        against one target step per token."""
+        against one target step per token. With a token drafted the verify has at least
+        two, so its extra position costs the slope beyond two."""
         t_step = self.costs.verify_seconds(1)
         if not t_step:
             return 0.0
-        extra_verify = (self.costs.verify_seconds(drafted + 2) or 0.0) - (
-            self.costs.verify_seconds(drafted + 1) or 0.0
-        )
         draft_forward = (self.costs.draft_token or 0.0) if forward else 0.0
-        return (draft_forward + max(0.0, extra_verify)) / t_step
+        return (draft_forward + self.costs.verify_slope()) / t_step
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         v = self.vocab_size

@@ -183,6 +183,18 @@ def test_a_size_timed_once_in_a_stall_does_not_make_longer_verifies_look_dearer(
     assert costs.verify_seconds(3) == pytest.approx(1.2 * CPU_VERIFY[3])
 
 
+def test_one_more_verified_token_is_priced_by_the_line_not_by_a_bump_between_two_sizes() -> None:
+    # Each size's median carries its own noise; the 3-token one sits 40% above its line.
+    # Priced as the step from 2 to 3 tokens, a second draft token would cost 4x what it does.
+    costs = CostModel()
+    for _ in range(3):
+        for m in (1, 2, 4, 8):
+            costs.observe_verify(m, CPU_VERIFY[m])
+        costs.observe_verify(3, 1.4 * CPU_VERIFY[3])
+    assert costs.verify_seconds(3) - costs.verify_seconds(2) > 0.04
+    assert costs.verify_slope() == pytest.approx(0.012, abs=0.004)
+
+
 def test_acceptance_carried_to_a_new_answer_yields_to_a_few_new_verdicts() -> None:
     prose = AcceptanceEstimate(4)
     for _ in range(60):  # a long answer the draft rarely got right
