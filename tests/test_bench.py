@@ -21,6 +21,7 @@ from specdec_core.bench import (
     geomean,
     llama_server,
     load_prompts,
+    runner,
     start_peers,
 )
 from specdec_core.bench.results import prompt_results
@@ -187,6 +188,29 @@ def test_bad_prompt_line_names_the_line(tmp_path: Path) -> None:
     bad.write_text('{"id": "a", "category": "x", "prompt": "hi"}\n{"id": "b"}\n')
     with pytest.raises(SpecdecError, match="line 2"):
         load_prompts(bad)
+
+
+def test_the_method_order_rotates_so_each_runs_first_as_often(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Run always in one place (right after the peer's server, say), a method would carry
+    # whatever that place does to the machine into every comparison.
+    calls: list[str] = []
+
+    class Recorded:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def run(self, prompt_ids: list[int], max_new_tokens: int) -> Run:
+            calls.append(self.name)
+            return Run(token_ids=(1,) * max_new_tokens, seconds=1.0)
+
+    monkeypatch.setattr(runner, "encode_prompt", lambda tokenizer, prompt: [1, 2, 3])
+    methods = {name: Recorded(name) for name in ("target", "ours-draft", "ours-auto")}
+    prompts = [BenchPrompt("a", "c", "hi"), BenchPrompt("b", "c", "ho")]
+    runner.run_bench(methods, prompts, None, runner.BenchSettings(max_new_tokens=2, repeats=3))
+    timed = calls[len(methods) :]  # after the warm-up
+    firsts = timed[:: len(methods)]
+    assert sorted(timed) == sorted(list(methods) * 6)
+    assert {name: firsts.count(name) for name in methods} == {name: 2 for name in methods}
 
 
 def test_first_divergence_and_geomean() -> None:

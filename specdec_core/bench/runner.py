@@ -1,7 +1,10 @@
 """Running the bench: every method on every prompt, interleaved, after a warm-up.
 
-For each prompt and repeat the methods run A B C …, so drift of a shared machine hits
-all methods alike. Every method starts from empty caches: our engine would otherwise
+For each prompt and repeat the methods run one after another, so drift of a shared
+machine hits all methods alike, and the order rotates from one (prompt, repeat) to the
+next (A B C, then B C A, …), so no method always runs in the same place (always right
+after the peer's server, say, or always after a method that leaves the machine warmer).
+Every method starts from empty caches: our engine would otherwise
 reuse the previous repeat's prompt cache, which transformers cannot.
 """
 
@@ -65,10 +68,15 @@ def run_bench(
         method.run(encoded[0], min(settings.warmup_tokens, settings.max_new_tokens))
     results: list[Result] = []
     done = 0
+    names = list(methods)
+    turn = 0
     for prompt, ids in zip(prompts, encoded, strict=True):
         runs: dict[str, list[Run]] = {name: [] for name in methods}
         for _ in range(settings.repeats):
-            for name, method in methods.items():
+            shift = turn % len(names)
+            turn += 1
+            for name in names[shift:] + names[:shift]:
+                method = methods[name]
                 run = method.run(ids, settings.max_new_tokens)
                 runs[name].append(run)
                 done += 1
