@@ -4,8 +4,8 @@ For each prompt and repeat the methods run one after another, so drift of a shar
 machine hits all methods alike, and the order rotates from one (prompt, repeat) to the
 next (A B C, then B C A, …), so no method always runs in the same place (always right
 after the peer's server, say, or always after a method that leaves the machine warmer).
-Every method starts from empty caches: our engine would otherwise
-reuse the previous repeat's prompt cache, which transformers cannot.
+Every method starts from empty caches: our engine would otherwise reuse the previous
+repeat's prompt cache, which transformers cannot.
 """
 
 from __future__ import annotations
