@@ -168,13 +168,19 @@ def test_a_size_timed_earlier_never_looks_cheaper_than_a_smaller_one():
     assert costs.verify_seconds(2) == 0.30
 
 
-def test_a_size_timed_once_in_a_stall_does_not_make_longer_verifies_look_dearer() -> None:
-    # The calibration times 1, 2, 4 and 8 tokens; 3 is first timed while drafting, and
-    # that first timing can be a stall. Taken alone it made every size from 3 up cost 3x.
+def calibrated_costs() -> CostModel:
+    """What `engine.calibrate()` leaves: 1, 2, 4 and 8 tokens timed three times each."""
     costs = CostModel()
     for _ in range(3):
         for m in (1, 2, 4, 8):
             costs.observe_verify(m, CPU_VERIFY[m])
+    return costs
+
+
+def test_a_size_timed_once_in_a_stall_does_not_make_longer_verifies_look_dearer() -> None:
+    # The calibration times 1, 2, 4 and 8 tokens; 3 is first timed while drafting, and
+    # that first timing can be a stall. Taken alone it made every size from 3 up cost 3x.
+    costs = calibrated_costs()
     costs.observe_verify(3, 3 * CPU_VERIFY[3])
     for m in range(1, 10):
         assert costs.verify_seconds(m) == pytest.approx(CPU_VERIFY[m], rel=0.02)
@@ -186,10 +192,8 @@ def test_a_size_timed_once_in_a_stall_does_not_make_longer_verifies_look_dearer(
 def test_one_more_verified_token_is_priced_by_the_line_not_by_a_bump_between_two_sizes() -> None:
     # Each size's median carries its own noise; the 3-token one sits 40% above its line.
     # Priced as the step from 2 to 3 tokens, a second draft token would cost 4x what it does.
-    costs = CostModel()
+    costs = calibrated_costs()
     for _ in range(3):
-        for m in (1, 2, 4, 8):
-            costs.observe_verify(m, CPU_VERIFY[m])
         costs.observe_verify(3, 1.4 * CPU_VERIFY[3])
     assert costs.verify_seconds(3) - costs.verify_seconds(2) > 0.04
     assert costs.verify_slope() == pytest.approx(0.012, abs=0.004)
