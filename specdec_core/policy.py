@@ -61,6 +61,7 @@ class SourcePolicy:
         self.prober = Prober(probe_every)
         self.stretcher = Stretcher()
         self._probe_model = False  # flips at every probe: the next one drafts with the model
+        self._model_idle = 0  # steps since the model last drafted
 
     def carry_from(self, previous: SourcePolicy) -> None:
         """Keep what an earlier generation learned about each source's acceptance."""
@@ -103,6 +104,11 @@ class SourcePolicy:
 
     def choose(self, budget: int, match_n: int, found: int, t_draft: float) -> Choice:
         """The step's draft: `found` tokens are available from a match of `match_n` tokens."""
+        choice = self._choose(budget, match_n, found, t_draft)
+        self._model_idle = 0 if choice.model_tokens else self._model_idle + 1
+        return choice
+
+    def _choose(self, budget: int, match_n: int, found: int, t_draft: float) -> Choice:
         budget = min(budget, self.max_k)
         if budget <= 0:
             return PLAIN
@@ -115,6 +121,8 @@ class SourcePolicy:
             return Choice(min(found, 4, budget), 0) if found > 0 else Choice(0, min(4, budget))
         options = self.options(budget, match_n, found, t_draft)
         rate, best = max(options, key=lambda o: o[0])
+        if not best.model_tokens and self._model_idle >= self.prober.every:
+            return self._model_probe(options)
         if rate > 1.0 / plain:
             self.prober.drafted()
             if not best.model_tokens:
@@ -143,6 +151,17 @@ class SourcePolicy:
             if model_only:
                 best = max(model_only, key=lambda o: o[0])[1]
         return Choice(best.lookup_tokens, best.model_tokens, probe=True)
+
+    def _model_probe(self, options: list[tuple[float, Choice]]) -> Choice:
+        """The model's best draft, as a probe: it has not drafted for `probe_every` steps.
+
+        The model is scored only when it drafts, and the plain-step probes count plain
+        steps in a row, so copies drafted now and then kept resetting that count and the
+        model was never tried again (measured: 70 plain steps, 11 copied and no model
+        token on a prompt the model alone drafted at 0.84 and 2.15x the target).
+        """
+        model_only = [o for o in options if o[1].lookup_tokens == 0]
+        return Choice(0, max(model_only, key=lambda o: o[0])[1].model_tokens, probe=True)
 
     def _untried(self, choice: Choice, match_n: int) -> bool:
         return (choice.model_tokens > 0 and self.model.untried) or (

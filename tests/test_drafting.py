@@ -367,6 +367,21 @@ def test_probes_also_remeasure_a_model_draft_that_looks_worse_than_failing_copie
     assert any(p.lookup_tokens == 0 and p.model_tokens > 0 for p in probes)
 
 
+def test_copies_drafted_now_and_then_do_not_keep_the_model_from_being_tried_again():
+    # The model looks unprofitable; a match turns up every 5th step and its copies pay.
+    # Each copied step ended the run of plain steps a probe waits for, so the model never
+    # drafted again (measured: 70 plain steps, 11 copied, no model token, on a prompt the
+    # model alone drafted at 2.15x the target).
+    policy = policy_with(model_runs=[(4, 0)] * 30, lookup_runs=[(4, 4)] * 30)
+    model_steps = 0
+    for step in range(40):
+        found = 4 if step % 5 == 0 else 0
+        choice = policy.choose(budget=8, match_n=3, found=found, t_draft=0.05)
+        model_steps += choice.model_tokens > 0
+        policy.observe(choice, 3, choice.model_tokens, choice.lookup_tokens)  # copies right, model wrong
+    assert 1 <= model_steps <= 40 // policy.prober.every
+
+
 def test_one_rejection_at_the_second_position_does_not_keep_model_drafts_at_one_token():
     # Carried from a well-drafted answer, then position 2 rejected once: its rate rests on
     # that verdict, and k = 1 alone would never test position 2 again.
