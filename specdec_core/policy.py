@@ -147,9 +147,7 @@ class SourcePolicy:
         """
         self._probe_model = not self._probe_model
         if self._probe_model and best.lookup_tokens:
-            model_only = [o for o in options if o[1].lookup_tokens == 0]
-            if model_only:
-                best = max(model_only, key=lambda o: o[0])[1]
+            best = Choice(0, _best_model_tokens(options))
         return Choice(best.lookup_tokens, best.model_tokens, probe=True)
 
     def _model_probe(self, options: list[tuple[float, Choice]]) -> Choice:
@@ -158,10 +156,9 @@ class SourcePolicy:
         The model is scored only when it drafts, and the plain-step probes count plain
         steps in a row, so copies drafted now and then kept resetting that count and the
         model was never tried again (measured: 70 plain steps, 11 copied and no model
-        token on a prompt the model alone drafted at 0.84 and 2.15x the target).
+        token on a prompt the model alone drafted at 0.84 per position, 12.8 tok/s against 10.0).
         """
-        model_only = [o for o in options if o[1].lookup_tokens == 0]
-        return Choice(0, max(model_only, key=lambda o: o[0])[1].model_tokens, probe=True)
+        return Choice(0, _best_model_tokens(options), probe=True)
 
     def _untried(self, choice: Choice, match_n: int) -> bool:
         return (choice.model_tokens > 0 and self.model.untried) or (
@@ -190,3 +187,8 @@ class SourcePolicy:
 
     def lookup_survival(self, match_n: int, copied: int) -> float:
         return self.lookup(match_n).survival(copied) if copied else 1.0
+
+
+def _best_model_tokens(options: list[tuple[float, Choice]]) -> int:
+    """The length of the best model-only draft among `options` (it always has some)."""
+    return max((o for o in options if o[1].lookup_tokens == 0), key=lambda o: o[0])[1].model_tokens
