@@ -20,8 +20,8 @@ the four strategies share one interface and read best side by side.)
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Protocol
 
@@ -43,6 +43,7 @@ class DraftSource(str, Enum):
     LOOKUP = "lookup"  # copied from an earlier occurrence in the text
     MODEL = "model"  # drafted by the draft model
     LOOKUP_MODEL = "lookup+model"  # a lookup run extended by the draft model
+    MODEL_LOOKUP = "model+lookup"  # model tokens after which copying resumed (maybe copies first too)
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,11 @@ class Draft:
     source: DraftSource = DraftSource.NONE
     requested: int = 0  # the k the strategy's controller asked for
     copied: int = 0  # leading tokens that came from lookup (no draft probability)
+    resumed: int = 0  # trailing tokens copied after the model's (no draft probability)
+
+    def is_copy(self, i: int) -> bool:
+        """Whether token i was copied rather than drawn from a draft distribution."""
+        return i < self.copied or i >= len(self.tokens) - self.resumed
 
 
 EMPTY_DRAFT = Draft(tokens=[], probs=None, seconds=0.0)
@@ -175,24 +181,36 @@ class NgramDrafter:
 
     def match(self, tokens: Sequence[int], k: int) -> tuple[list[int], int]:
         """Up to k tokens that followed the latest earlier match, and the match's length n."""
+        return self.match_after(tokens, (), k)
+
+    def match_after(self, tokens: Sequence[int], extra: Sequence[int], k: int) -> tuple[list[int], int]:
+        """`match` for `tokens` followed by `extra`, draft tokens not yet committed.
+
+        `extra` is matched but never indexed, so the copies always come from committed
+        text and a rejected draft leaves the index as it was.
+        """
         self.sync(tokens)
         if k <= 0:
             return [], 0
-        # Index every n-gram that ends before the last token, so a match is always an
-        # *earlier* occurrence whose continuation exists.
+        self._index()
+        tail = [*self._tokens[-self.max_ngram :], *extra]
+        for n in range(self.max_ngram, self.min_ngram - 1, -1):
+            if len(tail) < n:
+                continue
+            found = self._last_end.get(tuple(tail[-n:]))
+            if found is not None:
+                return list(self._tokens[found : found + k]), n
+        return [], 0
+
+    def _index(self) -> None:
+        """Index every n-gram that ends before the last token, so a match is always an
+        *earlier* occurrence whose continuation exists."""
         toks = self._tokens
         for end in range(max(self._indexed, 1), len(toks)):
             for n in range(self.min_ngram, self.max_ngram + 1):
                 if end - n >= 0:
                     self._last_end[tuple(toks[end - n : end])] = end
         self._indexed = max(self._indexed, len(toks) - 1) if toks else 0
-        for n in range(self.max_ngram, self.min_ngram - 1, -1):
-            if len(toks) < n:
-                continue
-            found = self._last_end.get(tuple(toks[-n:]))
-            if found is not None:
-                return list(toks[found : found + k]), n
-        return [], 0
 
 
 class ModelDrafter:
@@ -268,8 +286,12 @@ class ModelDrafter:
         sampling: SamplingParams,
         generator: torch.Generator | None,
         reach: float = 1.0,
+        handoff: Callable[[Sequence[int]], bool] | None = None,
     ) -> Draft:
-        """Up to k tokens continuing `tokens`; `reach` is the chance the first is even checked."""
+        """Up to k tokens continuing `tokens`; `reach` is the chance the first is even checked.
+
+        `handoff(drafted)`, asked after each token, ends the draft where it returns True
+        (something cheaper takes over from there), before the next forward is paid."""
         self._confidences = []
         self._forward_times = []
         if k <= 0:
@@ -299,6 +321,8 @@ class ModelDrafter:
             dists.append(probs)
             self._confidences.append(confidence)
             pending = [token]
+            if handoff is not None and len(drafted) < k and handoff(drafted):
+                break
             # The next token, about as likely as this one, would not pay for its forward.
             if self.early_stop and reach * chance < self._break_even(forward=True):
                 break
@@ -335,6 +359,17 @@ class ModelDrafter:
         return torch.cat([logits, pad])
 
 
+@dataclass
+class _Step:
+    """What `LookupThenModelDrafter` drafted this step, for scoring its verdict."""
+
+    choice: Choice
+    match_n: int  # the length of the match the step's first copies came from
+    found: list[int]  # the tokens that match offered
+    resumed: list[int] = field(default_factory=list)  # copies drafted after the model's tokens
+    resume_n: int = 0  # the length of the match they came from
+
+
 def one_hot_rows(tokens: Sequence[int], vocab_size: int) -> torch.Tensor:
     """q for copied tokens: all mass on the copied token ([len(tokens), V])."""
     rows = torch.zeros(len(tokens), vocab_size)
@@ -358,7 +393,7 @@ class LookupThenModelDrafter:
         self.lookup_drafter = lookup or NgramDrafter(max_ngram=4, min_ngram=2)
         self.name = f"{NGRAM}+{model.name}"
         self.policy = SourcePolicy(CostModel())
-        self._step: tuple[Choice, int, list[int]] = (PLAIN, 0, [])
+        self._step = _Step(PLAIN, 0, [])
 
     @property
     def runner(self) -> CachedModel:
@@ -390,31 +425,58 @@ class LookupThenModelDrafter:
         start = time.perf_counter()
         found, n = self.lookup_drafter.match(tokens, budget)
         choice = self.policy.choose(budget, n, len(found), self.model.seconds_per_token())
-        self._step = (choice, n, found)
+        self._step = _Step(choice, n, found)
         copied = found[: choice.lookup_tokens]
         if not choice.model_tokens:
             source = DraftSource.LOOKUP if copied else DraftSource.NONE
             seconds = time.perf_counter() - start
             return Draft(copied, None, seconds, source=source, requested=choice.total, copied=len(copied))
         reach = self.policy.lookup_survival(n, len(copied))
-        extension = self.model.propose([*tokens, *copied], choice.model_tokens, sampling, generator, reach)
+        context = [*tokens, *copied]
+
+        def resume(drafted: Sequence[int]) -> bool:
+            return self._resume(context, drafted, budget)
+
+        extension = self.model.propose(context, choice.model_tokens, sampling, generator, reach, resume)
+        resumed = self._step.resumed  # set only where the handoff ended the draft
         probs = extension.probs
-        if copied and probs is not None:
-            probs = torch.cat([one_hot_rows(copied, probs.shape[-1]).to(probs), probs])
+        if probs is not None:
+            vocab = probs.shape[-1]
+            probs = torch.cat(
+                [one_hot_rows(copied, vocab).to(probs), probs, one_hot_rows(resumed, vocab).to(probs)]
+            )
+        source = (
+            DraftSource.MODEL_LOOKUP if resumed else DraftSource.LOOKUP_MODEL if copied else DraftSource.MODEL
+        )
         return Draft(
-            tokens=copied + extension.tokens,
+            tokens=copied + extension.tokens + resumed,
             probs=probs,
             seconds=time.perf_counter() - start,
             forwards=extension.forwards,
-            source=DraftSource.LOOKUP_MODEL if copied else DraftSource.MODEL,
+            source=source,
             requested=choice.total,
             copied=len(copied),
+            resumed=len(resumed),
         )
 
+    def _resume(self, context: Sequence[int], drafted: Sequence[int], budget: int) -> bool:
+        """After each model token: copy from here instead, if the text matches again and
+        the policy rates the copies above the model's remaining tokens (copies are free)."""
+        step = self._step
+        room = budget - step.choice.lookup_tokens - len(drafted)
+        found, n = self.lookup_drafter.match_after(context, drafted, room)
+        count = self.policy.resume_copies(
+            step.choice, step.match_n, len(drafted), n, len(found), budget, self.model.seconds_per_token()
+        )
+        step.resumed, step.resume_n = found[:count], n
+        return count > 0
+
     def observe(self, draft: Draft, accepted: int, committed: Sequence[int], greedy: bool) -> None:
-        choice, n, found = self._step
-        self.policy.observe(choice, n, len(draft.tokens) - draft.copied, accepted)
-        if draft.tokens and draft.copied < len(draft.tokens):
+        step = self._step
+        choice, n, found = step.choice, step.match_n, step.found
+        proposed_model = len(draft.tokens) - draft.copied - draft.resumed
+        self.policy.observe(choice, n, proposed_model, accepted, step.resume_n, draft.resumed)
+        if draft.tokens and proposed_model:
             self.model.observe_model_tokens(draft, accepted)
         if greedy and found and not choice.lookup_tokens:
             self.policy.observe_unused_lookup(n, found, committed)

@@ -233,7 +233,7 @@ class SpeculativeEngine:
         for i in range(verdict.accepted):
             token = draft.tokens[i]
             # A copied token has no draft probability.
-            q = None if i < draft.copied or draft.probs is None else float(draft.probs[i, token])
+            q = None if draft.is_copy(i) or draft.probs is None else float(draft.probs[i, token])
             out.append((token, Source.ACCEPTED, float(target_probs[i, token]), q))
         n = verdict.accepted
         if not draft.tokens:

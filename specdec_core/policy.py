@@ -17,6 +17,11 @@ predicts better than a 2-token one). The best option wins; "lookup first" is no 
 a rule, so an excellent draft model is never pre-empted by worse copies (measured:
 trying lookup first pulled acceptance down to 0.33 with a draft identical to the target).
 
+While the model drafts, each of its tokens may make the text match again (a summary
+paraphrases a few words, then quotes the prompt once more); `resume_copies` then prices
+copies from that match against the model's remaining forwards, and the draft goes on
+with whichever pays more.
+
 Under greedy decoding the lookup is scored for free at every step it was not used:
 its tokens are compared with the tokens the target committed, which is exactly the
 verdict it would have had. Its estimate therefore stays current even while the model
@@ -165,14 +170,63 @@ class SourcePolicy:
             choice.lookup_tokens > 0 and self.lookup(match_n).untried
         )
 
-    def observe(self, choice: Choice, match_n: int, proposed_model: int, accepted: int) -> None:
-        """The verdict of a step drafted as `choice` (the model may have stopped early)."""
+    def observe(
+        self,
+        choice: Choice,
+        match_n: int,
+        proposed_model: int,
+        accepted: int,
+        resume_n: int = 0,
+        resumed: int = 0,
+    ) -> None:
+        """The verdict of a step drafted as `choice` (the model may have stopped early, and
+        `resumed` copies from a match of `resume_n` may have followed its tokens)."""
         if choice.lookup_tokens:
             self.lookup(match_n).observe(choice.lookup_tokens, min(accepted, choice.lookup_tokens))
         if proposed_model and accepted >= choice.lookup_tokens:
-            self.model.observe(proposed_model, accepted - choice.lookup_tokens)
+            self.model.observe(proposed_model, min(accepted - choice.lookup_tokens, proposed_model))
+        head = choice.lookup_tokens + proposed_model
+        if resumed and accepted >= head:
+            self.lookup(resume_n).observe(resumed, min(accepted - head, resumed))
         if choice.probe:
-            self.prober.probe_result(choice.lookup_tokens + proposed_model, accepted)
+            self.prober.probe_result(head + resumed, accepted)
+
+    def resume_copies(
+        self, step: Choice, match_n: int, drafted: int, resume_n: int, found: int, budget: int, t_draft: float
+    ) -> int:
+        """How many copies to draft after the step's first `drafted` model tokens, where the
+        text now matches again (`found` tokens after a match of `resume_n`), in place of
+        the model's remaining tokens; 0 to go on with the model.
+
+        Priced like `options`: the tokens so far and their cost are the same either way;
+        copies add their expected tokens for the verify's extra positions only, the model
+        its remaining forwards too. Measured on a summary, where the model drafted through
+        every paraphrase for 7 tokens (~400 ms) and the text copied the prompt again right
+        after the first of them.
+        """
+        budget = min(budget, self.max_k)
+        head = step.lookup_tokens + drafted
+        room = min(found, budget - head)
+        plain = self.costs.verify_seconds(1)
+        if room <= 0 or self.pinned is not None or plain is None or resume_n <= 0:
+            return 0
+        verify = [self.costs.verify_seconds(m) or 0.0 for m in range(budget + 2)]
+        model = self.model.expected_curve(max(step.model_tokens, drafted))
+        reach = self.lookup_survival(match_n, step.lookup_tokens)
+        before = self.lookup(match_n).expected_curve(step.lookup_tokens)[-1]
+        tokens = before + reach * (model[drafted] - 1.0)
+        spent = self.costs.draft_seconds(drafted, t_draft)
+
+        def rate(more_tokens: float, more_seconds: float, size: int) -> float:
+            return (tokens + more_tokens) / (spent + more_seconds + verify[size + 1])
+
+        rest = step.model_tokens - drafted
+        model_rate = rate(reach * (model[drafted + rest] - model[drafted]), rest * t_draft, head + rest)
+        survive = reach * self.model.survival(drafted)
+        copies = self.lookup(resume_n).expected_curve(room)
+        rated = [(rate(survive * (copies[c] - 1.0), 0.0, head + c), c) for c in range(1, room + 1)]
+        best_rate, best = max(rated)
+        return best if best_rate > max(model_rate, rate(0.0, 0.0, head)) else 0
 
     def observe_unused_lookup(self, match_n: int, copies: Sequence[int], committed: Sequence[int]) -> None:
         """Greedy only: score copies that were not drafted against what the target committed."""
