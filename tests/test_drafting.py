@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+from test_sampling_exactness import SAMPLES, VOCAB, chi_square_pvalue, tiny_vocab_tokenizer
 from tiny import hf_greedy, perturbed, tiny_model
 
 from specdec_core.adaptive import ConfidenceCalibration, CostModel, DraftLengthController
@@ -367,57 +369,49 @@ def test_calibration_times_the_runners_the_strategy_names(tokenizer, target):
     assert torch.is_tensor(one_hot_rows([], 3))
 
 
-def test_lookup_run_extended_by_the_model_keeps_the_target_distribution():
-    # The lookup finds one token after "1 1" (the match overlaps the suffix); with k pinned
-    # to 2 the model drafts the second, so each step verifies a one-hot row then a model q.
-    from test_sampling_exactness import SAMPLES, VOCAB, chi_square_pvalue, tiny_vocab_tokenizer
-
+def two_token_samples(**params) -> tuple[list[DraftSource], list[int], np.ndarray]:
+    """The policy's drafts on a 12-token vocabulary after "3 1 1 1": the sources drafted,
+    the first two sampled tokens of each seeded run (as x1 * V + x2), and their joint
+    probability under the target alone."""
     target = tiny_model(VOCAB, seed=3, layers=1, hidden=32)
     spy = SourceSpy(LookupThenModelDrafter(ModelDrafter(perturbed(target, 0.5, seed=4), "p")))
     engine = SpeculativeEngine(target, tiny_vocab_tokenizer(), spy)
     prompt = [3, 1, 1, 1]
-    params = GenerationParams(max_new_tokens=3, temperature=1.0, draft_length=2)
+    generation = GenerationParams(max_new_tokens=3, temperature=1.0, **params)
     with torch.no_grad():
-        p1 = params.sampling.probs(target(torch.tensor([prompt])).logits[0, -1])
+        p1 = generation.sampling.probs(target(torch.tensor([prompt])).logits[0, -1])
         p2 = torch.stack(
-            [params.sampling.probs(target(torch.tensor([[*prompt, t]])).logits[0, -1]) for t in range(VOCAB)]
+            [
+                generation.sampling.probs(target(torch.tensor([[*prompt, t]])).logits[0, -1])
+                for t in range(VOCAB)
+            ]
         )
     joint = (p1[:, None] * p2).flatten().numpy()
     samples = []
     for seed in range(SAMPLES):
-        run_params = GenerationParams(**{**params.__dict__, "seed": seed})
+        run_params = GenerationParams(**{**generation.__dict__, "seed": seed})
         x1, x2 = list(engine.generate(prompt, run_params))[-1].token_ids[:2]
         samples.append(x1 * VOCAB + x2)
-    assert spy.sources[0] is DraftSource.LOOKUP_MODEL
-    assert chi_square_pvalue(samples, joint / joint.sum()) > 1e-3
+    return spy.sources, samples, joint / joint.sum()
+
+
+def test_lookup_run_extended_by_the_model_keeps_the_target_distribution():
+    # The lookup finds one token after "1 1" (the match overlaps the suffix); with k pinned
+    # to 2 the model drafts the second, so each step verifies a one-hot row then a model q.
+    sources, samples, joint = two_token_samples(draft_length=2)
+    assert sources[0] is DraftSource.LOOKUP_MODEL
+    assert chi_square_pvalue(samples, joint) > 1e-3
 
 
 def test_copies_resumed_after_a_model_token_keep_the_target_distribution(monkeypatch):
     # Every step asks the model for 2 tokens; where its first token makes the text match
     # again ("1" after "3 1 1 1"), a copy takes the second position, else the model does.
     # So the draft's second row is one-hot or the model's q depending on the first token.
-    from test_sampling_exactness import SAMPLES, VOCAB, chi_square_pvalue, tiny_vocab_tokenizer
-
     monkeypatch.setattr(SourcePolicy, "choose", lambda self, budget, *rest: Choice(0, min(2, budget)))
     monkeypatch.setattr(SourcePolicy, "resume_copies", lambda self, step, n, drafted, rn, found, *rest: found)
-    target = tiny_model(VOCAB, seed=3, layers=1, hidden=32)
-    spy = SourceSpy(LookupThenModelDrafter(ModelDrafter(perturbed(target, 0.5, seed=4), "p")))
-    engine = SpeculativeEngine(target, tiny_vocab_tokenizer(), spy)
-    prompt = [3, 1, 1, 1]
-    params = GenerationParams(max_new_tokens=3, temperature=1.0)
-    with torch.no_grad():
-        p1 = params.sampling.probs(target(torch.tensor([prompt])).logits[0, -1])
-        p2 = torch.stack(
-            [params.sampling.probs(target(torch.tensor([[*prompt, t]])).logits[0, -1]) for t in range(VOCAB)]
-        )
-    joint = (p1[:, None] * p2).flatten().numpy()
-    samples = []
-    for seed in range(SAMPLES):
-        run_params = GenerationParams(**{**params.__dict__, "seed": seed})
-        x1, x2 = list(engine.generate(prompt, run_params))[-1].token_ids[:2]
-        samples.append(x1 * VOCAB + x2)
-    assert DraftSource.MODEL_LOOKUP in spy.sources and DraftSource.MODEL in spy.sources
-    assert chi_square_pvalue(samples, joint / joint.sum()) > 1e-3
+    sources, samples, joint = two_token_samples()
+    assert DraftSource.MODEL_LOOKUP in sources and DraftSource.MODEL in sources
+    assert chi_square_pvalue(samples, joint) > 1e-3
 
 
 def test_copies_resumed_after_model_tokens_never_change_greedy_output(tokenizer, target, monkeypatch):
