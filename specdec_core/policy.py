@@ -213,7 +213,7 @@ class SourcePolicy:
         verify = [self.costs.verify_seconds(m) or 0.0 for m in range(budget + 2)]
         model = self.model.expected_curve(max(step.model_tokens, drafted))
         reach = self.lookup_survival(match_n, step.lookup_tokens)
-        before = self.lookup(match_n).expected_curve(step.lookup_tokens)[-1]
+        before = self.lookup(match_n).expected_curve(step.lookup_tokens)[-1] if step.lookup_tokens else 1.0
         tokens = before + reach * (model[drafted] - 1.0)
         spent = self.costs.draft_seconds(drafted, t_draft)
 
