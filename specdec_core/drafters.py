@@ -476,7 +476,7 @@ class LookupThenModelDrafter:
         choice, n, found = step.choice, step.match_n, step.found
         proposed_model = len(draft.tokens) - draft.copied - draft.resumed
         self.policy.observe(choice, n, proposed_model, accepted, step.resume_n, draft.resumed)
-        if draft.tokens and proposed_model:
+        if proposed_model:
             self.model.observe_model_tokens(draft, accepted)
         if greedy and found and not choice.lookup_tokens:
             self.policy.observe_unused_lookup(n, found, committed)

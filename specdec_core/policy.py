@@ -207,8 +207,8 @@ class SourcePolicy:
         budget = min(budget, self.max_k)
         head = step.lookup_tokens + drafted
         room = min(found, budget - head)
-        plain = self.costs.verify_seconds(1)
-        if room <= 0 or self.pinned is not None or plain is None or resume_n <= 0:
+        measured = self.costs.verify_seconds(1) is not None
+        if room <= 0 or self.pinned is not None or not measured or resume_n <= 0:
             return 0
         verify = [self.costs.verify_seconds(m) or 0.0 for m in range(budget + 2)]
         model = self.model.expected_curve(max(step.model_tokens, drafted))
