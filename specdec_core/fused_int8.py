@@ -1,4 +1,4 @@
-"""Fewer, bigger int8 matmuls: q/k/v as one linear, gate/up as one, exactly.
+"""Fewer, bigger matmuls: q/k/v as one linear, gate/up as one, exactly (int8 and int4).
 
 Every decoder layer multiplies the same input by q, k and v (and by gate and up in the
 MLP). With our per-token int8 linears (quant_cpu) each of those calls also normalises
@@ -24,6 +24,7 @@ from typing import cast
 import torch
 from torch import nn
 
+from .int4_cpu import Int4Linear
 from .quant_cpu import PerTokenInt8Linear
 
 ENV_VAR = "SPECDEC_FUSE"  # "0" loads without fusing (for measuring what fusion gains)
@@ -32,8 +33,24 @@ ENV_VAR = "SPECDEC_FUSE"  # "0" loads without fusing (for measuring what fusion 
 GATED_MLPS = frozenset({"Qwen2MLP", "Qwen3MLP", "LlamaMLP", "MistralMLP"})
 
 
-def fuse_rows(parts: Sequence[PerTokenInt8Linear]) -> PerTokenInt8Linear:
-    """One int8 linear whose output is the parts' outputs side by side (same input)."""
+Stackable = PerTokenInt8Linear | Int4Linear
+
+
+def _same_kind(parts: Sequence[object]) -> bool:
+    """All our int8 linears, or all our 4-bit ones: the kinds whose rows stack exactly."""
+    return all(isinstance(p, PerTokenInt8Linear) for p in parts) or all(
+        isinstance(p, Int4Linear) for p in parts
+    )
+
+
+def fuse_rows(parts: Sequence[Stackable]) -> Stackable:
+    """One linear whose output is the parts' outputs side by side (same input)."""
+    if all(isinstance(p, Int4Linear) for p in parts):
+        return Int4Linear.stack(cast(Sequence[Int4Linear], parts))
+    return _fuse_int8(cast(Sequence[PerTokenInt8Linear], parts))
+
+
+def _fuse_int8(parts: Sequence[PerTokenInt8Linear]) -> PerTokenInt8Linear:
     in_features = parts[0].in_features
     if any(p.in_features != in_features for p in parts):
         raise ValueError("fused linears must share their input size")
@@ -42,7 +59,10 @@ def fuse_rows(parts: Sequence[PerTokenInt8Linear]) -> PerTokenInt8Linear:
     bias = None
     if any(b is not None for b in biases):
         bias = torch.cat(
-            [b.detach() if b is not None else torch.zeros(p.out_features) for b, p in zip(biases, parts, strict=True)]
+            [
+                b.detach() if b is not None else torch.zeros(p.out_features)
+                for b, p in zip(biases, parts, strict=True)
+            ]
         )
     return PerTokenInt8Linear.from_int8(
         torch.cat([w[0] for w in weights]), torch.cat([w[1] for w in weights]), bias, parts[0].kernel.name
@@ -52,7 +72,7 @@ def fuse_rows(parts: Sequence[PerTokenInt8Linear]) -> PerTokenInt8Linear:
 class _SharedCall:
     """Runs a fused linear once per input tensor; the projections take their columns."""
 
-    def __init__(self, linear: PerTokenInt8Linear, parts: int) -> None:
+    def __init__(self, linear: Stackable, parts: int) -> None:
         self.linear = linear
         self.parts = parts
         self._input: torch.Tensor | None = None
@@ -85,9 +105,9 @@ class FusedProjection(nn.Module):
 
 
 class FusedGateUpMLP(nn.Module):
-    """down(act(gate(x)) * up(x)) with gate and up as one int8 linear."""
+    """down(act(gate(x)) * up(x)) with gate and up as one linear."""
 
-    def __init__(self, gate_up: PerTokenInt8Linear, down: nn.Module, act_fn: nn.Module, intermediate: int):
+    def __init__(self, gate_up: Stackable, down: nn.Module, act_fn: nn.Module, intermediate: int):
         super().__init__()
         self.gate_up, self.down_proj, self.act_fn = gate_up, down, act_fn
         self.intermediate = intermediate
@@ -99,12 +119,13 @@ class FusedGateUpMLP(nn.Module):
 
 
 def fuse_int8_projections(model: nn.Module) -> int:
-    """Fuse q/k/v and gate/up wherever all of them are our int8 linears; returns how many groups."""
+    """Fuse q/k/v and gate/up wherever all of them are our int8 (or all our 4-bit) linears;
+    returns how many groups."""
     fused = 0
     for module in list(model.modules()):
         names = ("q_proj", "k_proj", "v_proj")
         parts = [getattr(module, n, None) for n in names]
-        if all(isinstance(p, PerTokenInt8Linear) for p in parts):
+        if _same_kind(parts):
             shared = _SharedCall(fuse_rows(parts), len(parts))  # type: ignore[arg-type]
             start = 0
             for name, part in zip(names, parts, strict=True):
@@ -114,9 +135,12 @@ def fuse_int8_projections(model: nn.Module) -> int:
         if type(module).__name__ not in GATED_MLPS:
             continue
         gate, up, down = (getattr(module, n, None) for n in ("gate_proj", "up_proj", "down_proj"))
-        if isinstance(gate, PerTokenInt8Linear) and isinstance(up, PerTokenInt8Linear) and down is not None:
+        if _same_kind([gate, up]) and down is not None:
+            gate_up = cast(list[Stackable], [gate, up])
             parent, child = _parent_of(model, module)
-            mlp = FusedGateUpMLP(fuse_rows([gate, up]), down, cast(nn.Module, module.act_fn), gate.out_features)
+            mlp = FusedGateUpMLP(
+                fuse_rows(gate_up), down, cast(nn.Module, module.act_fn), gate_up[0].out_features
+            )
             setattr(parent, child, mlp)
             fused += 1
     return fused

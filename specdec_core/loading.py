@@ -1,7 +1,9 @@
 """Load one model reference onto a device at a precision, refusing what is wrong in one line.
 
 Precision choices (`auto` picks the fastest that fits and says what it chose):
-- CPU: `int8` is our batch-invariant per-token int8 (see quant_cpu; ~4x fp32 here),
+- CPU: `int4` is our batch-invariant 4-bit kernel (int4_cpu; ~0.6 of int8's bytes a
+  step; it needs AVX-512 VNNI and a C compiler, and `auto` takes it where it runs);
+  `int8` our batch-invariant per-token int8 (see quant_cpu; ~4x fp32 here),
   `bf16`, `fp32`; `nf4` goes through bitsandbytes' CPU backend (slow: measured 2.1
   tok/s on a 0.5B vs 14 for our int8), allowed but never picked by `auto`.
 - CUDA: `bf16` (`fp16` where bf16 is unsupported) when the weights fit in 3/4 of the
@@ -29,6 +31,7 @@ from typing import Any
 
 import torch
 
+from . import int4_cpu
 from .batch_invariant import make_batch_invariant
 from .errors import ModelLoadError, OutOfMemory
 from .fused_int8 import apply_fusion
@@ -37,10 +40,10 @@ from .quant_cpu import int8_available, quantize_linears_int8
 from .refs import resolve_model_ref
 
 DEVICES = ("auto", "cpu", "cuda")
-PRECISIONS = ("auto", "fp32", "bf16", "fp16", "int8", "nf4")
+PRECISIONS = ("auto", "fp32", "bf16", "fp16", "int8", "int4", "nf4")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Bytes a parameter takes in memory at each precision (nf4: 4 bits plus block scales).
-_BYTES_PER_PARAM = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0, "nf4": 0.56}
+_BYTES_PER_PARAM = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0, "int4": 0.63, "nf4": 0.56}
 # Share of free GPU memory the weights may take; the rest is KV cache and activations.
 _WEIGHTS_SHARE = 0.75
 TRUST_REMOTE_CODE_HINT = "pass --trust-remote-code to run it, only if you trust its author"
@@ -102,9 +105,14 @@ def resolve_precision(precision: str, device: str, parameters: int, *, offload: 
     """`auto`: the fastest precision whose weights fit in the device's free memory."""
     if precision not in PRECISIONS:
         raise ModelLoadError(f"unknown precision {precision!r}: use one of {', '.join(PRECISIONS)}")
+    if precision == "int4":
+        _check_int4(device)
     if precision != "auto":
         return precision
     if device == "cpu":
+        # 4 bits read ~0.6 of int8's bytes a step at the same perplexity (docs/performance.md).
+        if int4_cpu.unavailable() is None:
+            return "int4"
         return "int8" if int8_available() else "bf16"
     half = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
     if offload:
@@ -119,6 +127,14 @@ def resolve_precision(precision: str, device: str, parameters: int, *, offload: 
         f"(~{parameters * _BYTES_PER_PARAM['nf4'] / 2**30:.1f} GiB) exceed 3/4 of the GPU's "
         f"{free / 2**30:.1f} GiB free; use --offload (slow) or --device cpu"
     )
+
+
+def _check_int4(device: str) -> None:
+    if device != "cpu":
+        raise ModelLoadError("int4 is a CPU precision; on a GPU use nf4")
+    reason = int4_cpu.unavailable()
+    if reason:
+        raise ModelLoadError(reason)
 
 
 def load_model(
@@ -249,9 +265,12 @@ def _load_weights(
             raise
         raise mapped from exc
     _check_loading_info(info, ref)
-    if precision == "int8" and device == "cpu":
-        quantize_linears_int8(model)
-        apply_fusion(model)  # q/k/v and gate/up as one int8 linear each: bitwise the same logits
+    if precision in ("int8", "int4") and device == "cpu":
+        if precision == "int4":
+            int4_cpu.quantize_linears_int4(model)
+        else:
+            quantize_linears_int8(model)
+        apply_fusion(model)  # q/k/v and gate/up as one linear each: bitwise the same logits
     if device == "cpu":
         # At every precision: a verify and plain decoding give bitwise-equal logits
         # (batch_invariant; measured at load by the self-check).
@@ -260,7 +279,9 @@ def _load_weights(
 
 
 def _oom_hint(device: str, precision: str) -> str:
-    smaller = {"fp32": ["bf16", "int8"], "bf16": ["int8"], "fp16": ["int8"]}.get(precision, [])
+    smaller = {"fp32": ["bf16", "int8"], "bf16": ["int8"], "fp16": ["int8"], "int8": ["int4"]}.get(
+        precision, []
+    )
     if device == "cuda":
         smaller = {"bf16": ["nf4"], "fp16": ["nf4"], "fp32": ["bf16", "nf4"], "int8": ["nf4"]}.get(
             precision, []
@@ -277,7 +298,7 @@ def _placement(device: str, precision: str, offload: bool) -> dict[str, Any]:
     if precision in ("int8", "nf4") and (device == "cuda" or precision == "nf4"):
         kwargs["quantization_config"] = _bitsandbytes_config(precision, offload)
         kwargs["device_map"] = gpu_map if device == "cuda" else {"": "cpu"}
-    elif precision == "int8":  # our CPU path: load in fp32, quantize the linears
+    elif precision in ("int8", "int4"):  # our CPU paths: load in fp32, quantize the linears
         kwargs["dtype"] = torch.float32
     else:
         kwargs["dtype"] = _DTYPES[precision]

@@ -15,12 +15,19 @@ import torch
 from archs import ARCHS, arch_model
 from tiny import hf_greedy, perturbed
 
+from specdec_core import int4_cpu
 from specdec_core.batch_invariant import make_batch_invariant
 from specdec_core.drafters import LookupThenModelDrafter, ModelDrafter, NgramDrafter, NoDrafter
 from specdec_core.engine import GenerationParams, SpeculativeEngine
+from specdec_core.int4_cpu import quantize_linears_int4
 from specdec_core.quant_cpu import int8_available, quantize_linears_int8
 
-PRECISIONS = ["fp32", "bf16", *(["int8"] if int8_available() else [])]
+PRECISIONS = [
+    "fp32",
+    "bf16",
+    *(["int8"] if int8_available() else []),
+    *(["int4"] if int4_cpu.unavailable() is None else []),
+]
 NEW_TOKENS = 40
 PROMPT = "def add(a, b):\n    return a + b\n\nfor i in range(10):\n    print(i * i)\n"
 
@@ -32,6 +39,8 @@ def at_precision(model, precision: str):
         model = model.to(torch.bfloat16)
     if precision == "int8":
         quantize_linears_int8(model)
+    if precision == "int4":
+        assert quantize_linears_int4(model) > 0
     make_batch_invariant(model)
     return model
 

@@ -1,0 +1,250 @@
+"""4-bit target weights on CPU that keep speculative decoding exact (`--precision int4`).
+
+A decoding step reads every weight once, so on a CPU its time is the weights' bytes
+over the memory bandwidth: at int8 the 1.5B target reads ~1.55 GB a step, at 4 bits
+~1 GB. torch's own 4-bit CPU kernel is batch-invariant but its cost climbs with every
+row (a 9-token verify would cost several plain steps), so the target needs a kernel
+whose rows share one read of the weights and whose results do not depend on the rows.
+
+`int4_cpu.c` is that kernel (AVX-512 VNNI): weights asymmetric per group of 32 inputs
+with fp16 scale and minimum (5 bits a weight with the scales), activations int8 per
+group of 32 inputs of each row (like llama.cpp's q8_0). Each group's dot product is an
+exact integer sum, then the same few float operations in the same order for every row,
+so a row's result is bitwise the same in a 1-row step, a 9-row verify or a prefill,
+at any thread count (tests/test_int4_cpu.py; the load-time self-check measures it on
+the loaded model).
+
+The kernel is compiled here once per machine with the system's C compiler into the
+cache folder (a second or two), and loaded with ctypes. It links the OpenMP runtime
+torch already loaded, so the two share one thread pool. No compiler, or a CPU without
+AVX-512 VNNI: `unavailable()` says why, and `int4` is refused in one line at load.
+
+The LM head stays int8 (quant_cpu): it decides the argmax directly, and GGUF files keep
+it at 6 bits or more.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .cache import cache_dir
+from .quant_cpu import PerTokenInt8Linear
+
+SOURCE = Path(__file__).with_name("int4_cpu.c")
+FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vnni", "-mf16c", "-mfma", "-fopenmp", "-shared", "-fPIC")
+GROUP = 32  # inputs per weight scale and per activation scale
+LANES = 16  # output channels per block of the packed layout
+BLOCK_BYTES = 4 * 64 + 2 * LANES * 2  # nibbles of 16 channels x 32 inputs, then fp16 scales and minimums
+_FP16_MAX = 65504.0
+
+
+class KernelUnavailable(RuntimeError):
+    """The 4-bit kernel cannot run here; the message says why in one line."""
+
+
+def unavailable() -> str | None:
+    """Why the 4-bit kernel cannot run on this machine, or None when it can."""
+    try:
+        _library()
+    except KernelUnavailable as exc:
+        return str(exc)
+    return None
+
+
+@functools.cache
+def _library() -> ctypes.CDLL:
+    if not _cpu_has_vnni():
+        raise KernelUnavailable("int4 needs a CPU with AVX-512 VNNI; use --precision int8")
+    lib = ctypes.CDLL(str(_build()))
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    lib.int4_linear.argtypes = [pointer, size, size, pointer, size, pointer, ctypes.c_int]
+    lib.int4_linear.restype = ctypes.c_int
+    return lib
+
+
+def _cpu_has_vnni() -> bool:
+    """From the kernel's flags for the CPU (Linux); elsewhere the kernel is not offered."""
+    try:
+        info = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return False
+    flags = next(
+        (line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []
+    )
+    return {"avx512f", "avx512bw", "avx512_vnni", "f16c", "fma"} <= set(flags)
+
+
+def _build() -> Path:
+    """The compiled kernel in the cache folder, compiling it first if needed."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not compiler:
+        raise KernelUnavailable(
+            "int4 compiles a small kernel and found no C compiler (cc, gcc); use --precision int8"
+        )
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
+    built = cache_dir() / "kernels" / f"int4_cpu-{key}.so"
+    if built.exists():
+        return built
+    built.parent.mkdir(parents=True, exist_ok=True)
+    partial = built.with_name(f"{built.name}.{os.getpid()}.tmp")  # renamed into place when complete
+    try:
+        done = subprocess.run(
+            [compiler, *FLAGS, str(SOURCE), "-o", str(partial)], capture_output=True, text=True, timeout=300
+        )
+        if done.returncode != 0:
+            first = (done.stderr.strip().splitlines() or ["no message"])[0]
+            raise KernelUnavailable(f"int4's kernel did not compile ({first}); use --precision int8")
+        os.replace(partial, built)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise KernelUnavailable(f"int4's kernel could not be built ({exc}); use --precision int8") from exc
+    finally:
+        partial.unlink(missing_ok=True)
+    return built
+
+
+def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q [out, in] uint8 in 0..15, scale [out, in/32] fp16, minimum [out, in/32] fp16)."""
+    out_features, in_features = weight.shape
+    groups = weight.detach().float().reshape(out_features, in_features // GROUP, GROUP)
+    minimum = groups.amin(-1).half()
+    scale = ((groups.amax(-1) - minimum.float()) / 15).half()
+    steps = scale.float()[..., None]
+    q = torch.where(steps > 0, (groups - minimum.float()[..., None]) / steps.clamp_min(1e-30), 0.0)
+    q = q.round().clamp(0, 15).to(torch.uint8).reshape(out_features, in_features)
+    return q, scale, minimum
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
+    out_features, in_features = q.shape
+    groups = q.float().reshape(out_features, in_features // GROUP, GROUP)
+    return (groups * scale.float()[..., None] + minimum.float()[..., None]).reshape(out_features, in_features)
+
+
+def pack(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
+    """The kernel's layout (see int4_cpu.c): [blocks of 16 channels, groups, BLOCK_BYTES] uint8."""
+    out_features, in_features = q.shape
+    padded = -(-out_features // LANES) * LANES
+    extra = padded - out_features
+    if extra:  # zero channels: computed, never stored
+        q = torch.cat([q, q.new_zeros(extra, in_features)])
+        scale = torch.cat([scale, scale.new_zeros(extra, scale.shape[1])])
+        minimum = torch.cat([minimum, minimum.new_zeros(extra, minimum.shape[1])])
+    blocks, groups = padded // LANES, in_features // GROUP
+    # channel, group, vector t, nibble half, input i -> block, group, t, half, channel, i
+    nibbles = q.reshape(blocks, LANES, groups, 4, 2, 4).permute(0, 2, 3, 4, 1, 5)
+    vectors = (nibbles[:, :, :, 0] | (nibbles[:, :, :, 1] << 4)).reshape(blocks, groups, 256)
+
+    def per_block(values: torch.Tensor) -> torch.Tensor:
+        by_group = values.reshape(blocks, LANES, groups).permute(0, 2, 1).contiguous()
+        return by_group.view(torch.uint8).reshape(blocks, groups, 2 * LANES)
+
+    return torch.cat([vectors, per_block(scale), per_block(minimum)], dim=-1).contiguous()
+
+
+def unpack(packed: torch.Tensor, out_features: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`pack`'s inverse: (q, scale, minimum) for the first `out_features` channels."""
+    blocks, groups, _ = packed.shape
+    vectors = packed[..., :256].reshape(blocks, groups, 4, LANES, 4)
+    halves = torch.stack([vectors & 0x0F, vectors >> 4], dim=3)  # block, group, t, half, channel, i
+    q = halves.permute(0, 4, 1, 2, 3, 5).reshape(blocks * LANES, groups * GROUP)
+
+    def per_channel(raw: torch.Tensor) -> torch.Tensor:
+        values = raw.contiguous().view(torch.float16).reshape(blocks, groups, LANES)
+        return values.permute(0, 2, 1).reshape(blocks * LANES, groups)
+
+    scale = per_channel(packed[..., 256 : 256 + 2 * LANES])
+    minimum = per_channel(packed[..., 256 + 2 * LANES :])
+    return (
+        q[:out_features].contiguous(),
+        scale[:out_features].contiguous(),
+        minimum[:out_features].contiguous(),
+    )
+
+
+def fits(linear: nn.Linear) -> bool:
+    """Whether a linear can take 4-bit weights: whole groups of inputs, weights fp16 can scale."""
+    weight = linear.weight.detach()
+    return (
+        linear.in_features % GROUP == 0
+        and bool(torch.isfinite(weight).all())
+        and (float(weight.abs().max()) < _FP16_MAX / 2)
+    )
+
+
+class Int4Linear(nn.Module):
+    """A linear with 4-bit weights, run by `int4_cpu.c`; fp32 in, fp32 out."""
+
+    bias: nn.Parameter | None
+    packed: torch.Tensor
+
+    def __init__(self, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = out_features, packed.shape[1] * GROUP
+        self.register_buffer("packed", packed.contiguous())
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+        _library()  # refuse here, in one line, if the kernel cannot run
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> Int4Linear:
+        packed = pack(*quantize(linear.weight))
+        return cls(packed, linear.out_features, linear.bias)
+
+    @classmethod
+    def stack(cls, parts: Sequence[Int4Linear]) -> Int4Linear:
+        """One linear whose output is the parts' outputs side by side; the same values exactly."""
+        if len({p.in_features for p in parts}) != 1:
+            raise ValueError("stacked linears must share their input size")
+        pieces = [unpack(p.packed, p.out_features) for p in parts]
+        q, scale, minimum = (torch.cat([piece[i] for piece in pieces]) for i in range(3))
+        biases = [p.bias.detach() if p.bias is not None else torch.zeros(p.out_features) for p in parts]
+        bias = torch.cat(biases) if any(p.bias is not None for p in parts) else None
+        return cls(pack(q, scale, minimum), sum(p.out_features for p in parts), bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        rows = x.reshape(-1, self.in_features).float().contiguous()
+        y = torch.empty(rows.shape[0], self.out_features)
+        status = _library().int4_linear(
+            self.packed.data_ptr(), self.out_features, self.in_features,
+            rows.data_ptr(), rows.shape[0], y.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        if status != 0:
+            raise MemoryError(f"out of memory in a 4-bit linear of {rows.shape[0]} rows")
+        if self.bias is not None:
+            y += self.bias
+        return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
+
+    def dense_weight(self) -> torch.Tensor:
+        """The weights as floats [out, in], exactly the values the kernel multiplies by."""
+        return dequantize(*unpack(self.packed, self.out_features))
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bits=4"
+
+
+def quantize_linears_int4(model: nn.Module) -> int:
+    """Every nn.Linear to 4 bits in place, but the LM head (int8) and any that does not fit
+    (int8 too); returns how many took 4 bits."""
+    output_embeddings = getattr(model, "get_output_embeddings", None)
+    head = output_embeddings() if callable(output_embeddings) else None
+    four_bit = 0
+    for name, linear in [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        if linear is not head and fits(linear):
+            setattr(parent, child, Int4Linear.from_linear(linear))
+            four_bit += 1
+        else:
+            setattr(parent, child, PerTokenInt8Linear(linear))
+    return four_bit

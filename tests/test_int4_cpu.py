@@ -1,0 +1,155 @@
+"""The 4-bit CPU kernel: right numbers, the same numbers for any batch or thread count."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+from tiny import tiny_model
+from transformers import DynamicCache
+
+from specdec_core import int4_cpu
+from specdec_core.batch_invariant import make_batch_invariant
+from specdec_core.errors import ModelLoadError
+from specdec_core.fused_int8 import FusedGateUpMLP, fuse_int8_projections
+from specdec_core.int4_cpu import GROUP, Int4Linear, KernelUnavailable, quantize_linears_int4
+from specdec_core.loading import resolve_precision
+from specdec_core.quant_cpu import PerTokenInt8Linear
+
+needs_kernel = pytest.mark.skipif(int4_cpu.unavailable() is not None, reason=str(int4_cpu.unavailable()))
+
+
+def _linear(out_features: int, in_features: int, seed: int = 0) -> torch.nn.Linear:
+    torch.manual_seed(seed)
+    linear = torch.nn.Linear(in_features, out_features)
+    linear.weight.data *= 5  # wider than the default init: groups with real ranges
+    return linear
+
+
+def test_packing_then_unpacking_gives_back_every_value() -> None:
+    out_features, in_features = 40, 96  # 40: a block of 16 channels is only half full
+    generator = torch.Generator().manual_seed(1)
+    q = torch.randint(0, 16, (out_features, in_features), dtype=torch.uint8, generator=generator)
+    scale = torch.rand(out_features, in_features // GROUP, generator=generator).half()
+    minimum = (-torch.rand(out_features, in_features // GROUP, generator=generator)).half()
+    unpacked = int4_cpu.unpack(int4_cpu.pack(q, scale, minimum), out_features)
+    for got, want in zip(unpacked, (q, scale, minimum), strict=True):
+        assert torch.equal(got, want)
+
+
+def test_quantized_weights_are_within_half_a_step_of_the_originals() -> None:
+    weight = _linear(48, 128).weight.detach()
+    q, scale, minimum = int4_cpu.quantize(weight)
+    error = (int4_cpu.dequantize(q, scale, minimum) - weight).abs().reshape(48, -1, GROUP).amax(-1)
+    # Half a step, plus what rounding the minimum to fp16 moves it by.
+    assert bool((error <= 0.5 * scale.float() + minimum.float().abs() * 2**-10 + 1e-7).all())
+
+
+def test_a_group_of_equal_weights_is_kept_exactly() -> None:
+    weight = torch.full((16, 32), 0.25)
+    assert torch.equal(int4_cpu.dequantize(*int4_cpu.quantize(weight)), weight)
+
+
+@needs_kernel
+def test_the_kernel_multiplies_int8_activations_by_the_4_bit_weights() -> None:
+    linear = Int4Linear.from_linear(_linear(40, 96))
+    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(2))
+    # The kernel's arithmetic in float64: per group of 32, x ~ a * xq with xq in -127..127.
+    groups = x.reshape(5, -1, GROUP)
+    a = groups.abs().amax(-1, keepdim=True) / 127
+    xq = torch.round(groups / a)
+    q, scale, minimum = int4_cpu.unpack(linear.packed, 40)
+    w = q.double().reshape(40, -1, GROUP)
+    dots = torch.einsum("rgi,cgi->rcg", xq.double(), w)
+    per_group = scale.double()[None] * dots + minimum.double()[None] * xq.double().sum(-1)[:, None, :]
+    expected = (per_group * a.double().squeeze(-1)[:, None, :]).sum(-1) + linear.bias.double()
+    assert torch.allclose(linear(x).double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_a_row_gets_the_same_numbers_in_any_batch_and_at_any_thread_count() -> None:
+    linear = Int4Linear.from_linear(_linear(72, 160, seed=3))
+    x = torch.randn(19, 160, generator=torch.Generator().manual_seed(4))  # 19: two tiles of 8 and a rest
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        reference = linear(x)
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            for rows in (1, 2, 3, 7, 8, 9, 16, 19):
+                for start in (0, 19 - rows):
+                    got = linear(x[start : start + rows])
+                    assert torch.equal(got, reference[start : start + rows]), (count, rows, start)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_kernel
+def test_stacked_linears_compute_their_parts_side_by_side_exactly() -> None:
+    parts = [Int4Linear.from_linear(_linear(n, 64, seed=n)) for n in (32, 16, 48)]
+    stacked = Int4Linear.stack(parts)
+    x = torch.randn(6, 64)
+    assert torch.equal(stacked(x), torch.cat([p(x) for p in parts], dim=-1))
+
+
+@needs_kernel
+def test_the_head_and_linears_without_whole_groups_stay_int8(tokenizer) -> None:
+    model = tiny_model(len(tokenizer), hidden=64)
+    model.model.layers[0].mlp.down_proj = torch.nn.Linear(40, 64)  # 40 inputs: not whole groups of 32
+    four_bit = quantize_linears_int4(model)
+    assert isinstance(model.lm_head, PerTokenInt8Linear)
+    assert isinstance(model.model.layers[0].mlp.down_proj, PerTokenInt8Linear)
+    assert isinstance(model.model.layers[0].mlp.gate_proj, Int4Linear)
+    assert four_bit == 2 * 7 - 1  # q, k, v, o, gate, up, down in 2 layers, less the odd one
+
+
+@torch.inference_mode()
+def _logits(model, ids: torch.Tensor) -> torch.Tensor:
+    """A 20-token prefill, a 5-token verify, then 3 one-token steps."""
+    cache = DynamicCache(config=model.config)
+    bounds = [0, 20, 25, 26, 27, 28]
+    return torch.cat([model(ids[:, s:e], cache=cache).logits[0] for s, e in itertools.pairwise(bounds)])
+
+
+@needs_kernel
+def test_fused_4_bit_projections_give_bitwise_the_logits_of_separate_ones(tokenizer) -> None:
+    separate = copy.deepcopy(tiny_model(len(tokenizer), seed=0, layers=2, hidden=128))
+    quantize_linears_int4(separate)
+    make_batch_invariant(separate)
+    fused = copy.deepcopy(separate)
+    assert fuse_int8_projections(fused) == 4
+    assert isinstance(fused.model.layers[0].mlp, FusedGateUpMLP)
+    ids = torch.randint(0, len(tokenizer), (1, 28), generator=torch.Generator().manual_seed(3))
+    reference = _logits(separate, ids)
+    assert torch.equal(reference, _logits(fused, ids))
+    # One prefill of all 28 tokens gives each position the numbers of the split run.
+    assert torch.equal(reference, _logits_one_piece(fused, ids))
+
+
+@torch.inference_mode()
+def _logits_one_piece(model, ids: torch.Tensor) -> torch.Tensor:
+    return model(ids, cache=DynamicCache(config=model.config)).logits[0]
+
+
+def test_no_compiler_is_a_one_line_refusal(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    with pytest.raises(KernelUnavailable, match="could not be built") as caught:
+        int4_cpu._build()
+    assert "\n" not in str(caught.value)
+    assert not list(tmp_path.rglob("*.so")) and not list(tmp_path.rglob("*.tmp"))
+
+
+def test_a_failed_compile_is_a_one_line_refusal_and_leaves_nothing(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "false")  # runs, fails, says nothing
+    with pytest.raises(KernelUnavailable, match="did not compile"):
+        int4_cpu._build()
+    assert not list(tmp_path.rglob("*.so")) and not list(tmp_path.rglob("*.tmp"))
+
+
+def test_int4_on_a_gpu_is_refused_in_one_line() -> None:
+    with pytest.raises(ModelLoadError, match="CPU precision"):
+        resolve_precision("int4", "cuda", 10**9)
