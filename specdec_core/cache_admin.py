@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import hub
-from .cache import cache_dir, converted_dir, downloads_dir, fetched_gguf_dir, verify_file
+from .cache import cache_dir, converted_dir, downloads_dir, fetched_gguf_dir, kernels_dir, verify_file
 from .catalog import HubSource, PackageIndexSource, load_catalog
 from .gguf_convert import is_converted, read_marker, usable_conversion
 from .progress import ProgressCallback
@@ -20,7 +20,8 @@ from .progress import ProgressCallback
 
 @dataclass(frozen=True)
 class CacheItem:
-    kind: str  # "gguf" (fetched file), "converted" (HF folder), "partial" (unfinished fetch/conversion)
+    kind: str  # "gguf" (fetched file), "converted" (HF folder), "partial" (unfinished fetch/conversion),
+    # "kernel" (the compiled 4-bit kernel, rebuilt on next use)
     path: Path
     size_bytes: int
     description: str  # the GGUF a folder was converted from, the model a fetch is for
@@ -40,6 +41,8 @@ def list_cache() -> list[CacheItem]:
         checked = " (source verified against the catalog)" if marker.get("source_verified") else ""
         source = Path(str(marker.get("source", "?"))).name
         items.append(CacheItem("converted", path, _tree_size(path), f"from {source}{checked}"))
+    for path in sorted(kernels_dir().glob("*.so")):
+        items.append(CacheItem("kernel", path, path.stat().st_size, "4-bit CPU kernel, compiled here"))
     return items
 
 

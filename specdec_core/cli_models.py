@@ -40,7 +40,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     fetch.add_argument("--no-convert", action="store_true", help="only download the GGUF file")
     fetch.add_argument("--list-cache", action="store_true", help="list what the cache holds")
     fetch.add_argument(
-        "--clear", nargs="?", const="all", choices=["all", "gguf", "converted", "partial"],
+        "--clear", nargs="?", const="all", choices=["all", "gguf", "converted", "partial", "kernel"],
         help="delete cache items (all, or one kind)",
     )  # fmt: skip
     fetch.add_argument(

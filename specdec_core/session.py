@@ -81,7 +81,7 @@ class SessionInfo:
     exactness: ExactnessReport | None = None
     context_length: int | None = None  # positions the pair can attend over (None: unknown)
     device: str = ""  # resolved: "cpu" | "cuda"
-    precision: str = ""  # resolved: "fp32" | "bf16" | "fp16" | "int8" | "nf4"
+    precision: str = ""  # resolved: "fp32" | "bf16" | "fp16" | "int8" | "int4" | "nf4"
     draft_precision: str = ""  # the draft model's ("int8/int4": 4-bit draft steps); "" without one
 
 
@@ -361,7 +361,7 @@ def _one_line_errors(
     doing: str,
     *,
     on_oom: Callable[[], None] | None = None,
-    hint: str = "try a shorter conversation or a smaller precision (int8, nf4)",
+    hint: str = "try a shorter conversation or a smaller precision (int8, int4, nf4)",
 ) -> Iterator[None]:
     """Map every failure while `doing` to one `SpecdecError`.
 

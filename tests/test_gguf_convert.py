@@ -14,6 +14,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from specdec_core import conversion_process, gguf_convert
+from specdec_core.cache import kernels_dir
 from specdec_core.cache_admin import clear_cache, list_cache
 from specdec_core.errors import Cancelled, ModelLoadError
 from specdec_core.gguf_convert import (
@@ -116,15 +117,17 @@ def test_list_cache_shows_fetched_partial_and_converted_items_and_clear_removes_
     fetched = write(gguf_convert.fetched_gguf_dir() / "some-model" / "m.gguf", b"GGUF fetched")
     write(gguf_convert.downloads_dir() / "other-model" / "part01.bin", b"chunk")
     folder = convert_gguf(fetched, converter=CountingConverter())
+    kernel = write(kernels_dir() / "int4_cpu-0123456789abcdef.so", b"ELF")
     kinds = {(item.kind, item.path) for item in list_cache()}
     assert kinds == {
         ("gguf", fetched),
         ("partial", gguf_convert.downloads_dir() / "other-model"),
         ("converted", folder),
+        ("kernel", kernel),
     }
     removed = clear_cache({"partial"})
     assert [item.kind for item in removed] == ["partial"]
-    assert {item.kind for item in list_cache()} == {"gguf", "converted"}
+    assert {item.kind for item in list_cache()} == {"gguf", "converted", "kernel"}
     clear_cache()
     assert list_cache() == []
 

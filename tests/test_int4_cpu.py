@@ -153,3 +153,18 @@ def test_a_failed_compile_is_a_one_line_refusal_and_leaves_nothing(monkeypatch, 
 def test_int4_on_a_gpu_is_refused_in_one_line() -> None:
     with pytest.raises(ModelLoadError, match="CPU precision"):
         resolve_precision("int4", "cuda", 10**9)
+
+
+@needs_kernel
+def test_a_drafts_head_takes_4_bits_and_still_ranks_tokens_like_the_int8_head(tokenizer) -> None:
+    model = tiny_model(len(tokenizer), hidden=64)
+    quantize_linears_int4(model)
+    ids = torch.randint(0, len(tokenizer), (1, 12), generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        before = model(ids).logits
+        assert int4_cpu.head_to_int4(model)
+        after = model(ids).logits
+    assert isinstance(model.lm_head, Int4Linear)
+    assert not int4_cpu.head_to_int4(model)  # already 4-bit: nothing to do
+    # 4 bits move the logits a little; the ranking of clear winners stays.
+    assert (before.argmax(-1) == after.argmax(-1)).float().mean() >= 0.9
