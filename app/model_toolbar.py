@@ -71,7 +71,7 @@ class ModelToolbar(QToolBar):
         self.device_menu.setCurrentText(device)
         self.device_menu.activated.connect(self._on_placement)
         self.precision_menu = self._combo(
-            "precisionMenu", 0, "Precision (auto: the fastest that fits; CPU int8 is exact per token)"
+            "precisionMenu", 0, "Precision (auto: the fastest that fits; CPU int4 and int8 are exact per token)"
         )
         self.precision_menu.addItems(list(PRECISIONS))
         self.precision_menu.setCurrentText(precision)
