@@ -19,8 +19,8 @@ cache folder (a second or two), and loaded with ctypes. It links the OpenMP runt
 torch already loaded, so the two share one thread pool. No compiler, or a CPU without
 AVX-512 VNNI: `unavailable()` says why, and `int4` is refused in one line at load.
 
-The LM head stays int8 (quant_cpu): it decides the argmax directly, and GGUF files keep
-it at 6 bits or more.
+The target's LM head stays int8 (quant_cpu): it decides the argmax directly, and GGUF
+files keep it at 6 bits or more. A draft's head takes 4 bits (`head_to_int4`).
 """
 
 from __future__ import annotations
@@ -61,15 +61,40 @@ def unavailable() -> str | None:
     return None
 
 
-@functools.cache
 def _library() -> ctypes.CDLL:
-    if not _cpu_has_vnni():
-        raise KernelUnavailable("int4 needs a CPU with AVX-512 VNNI; use --precision int8")
-    lib = ctypes.CDLL(str(_build()))
+    loaded = _load()
+    if isinstance(loaded, KernelUnavailable):
+        raise KernelUnavailable(str(loaded))
+    return loaded
+
+
+@functools.cache
+def _load() -> ctypes.CDLL | KernelUnavailable:
+    """The kernel, or why not: tried once per process (a failed compile is not retried per load)."""
+    try:
+        if not _cpu_has_vnni():
+            raise KernelUnavailable("int4 needs a CPU with AVX-512 VNNI; use --precision int8")
+        lib = _open(_build())
+    except KernelUnavailable as exc:
+        return exc
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     lib.int4_linear.argtypes = [pointer, size, size, pointer, size, pointer, ctypes.c_int]
     lib.int4_linear.restype = ctypes.c_int
     return lib
+
+
+def _open(built: Path) -> ctypes.CDLL:
+    """Load the compiled kernel; a damaged one is deleted and compiled again, once."""
+    try:
+        return ctypes.CDLL(str(built))
+    except OSError:
+        built.unlink(missing_ok=True)
+    try:
+        return ctypes.CDLL(str(_build()))
+    except OSError as exc:
+        raise KernelUnavailable(
+            f"int4's compiled kernel does not load ({exc}); use --precision int8"
+        ) from exc
 
 
 def _cpu_has_vnni() -> bool:

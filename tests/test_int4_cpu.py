@@ -150,6 +150,15 @@ def test_a_failed_compile_is_a_one_line_refusal_and_leaves_nothing(monkeypatch, 
     assert not list(tmp_path.rglob("*.so")) and not list(tmp_path.rglob("*.tmp"))
 
 
+@needs_kernel
+def test_a_damaged_compiled_kernel_is_compiled_again(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))
+    built = int4_cpu._build()
+    built.write_bytes(b"not a shared library")
+    lib = int4_cpu._open(built)
+    assert hasattr(lib, "int4_linear") and built.read_bytes().startswith(b"\x7fELF")
+
+
 def test_int4_on_a_gpu_is_refused_in_one_line() -> None:
     with pytest.raises(ModelLoadError, match="CPU precision"):
         resolve_precision("int4", "cuda", 10**9)
