@@ -45,25 +45,23 @@ def _same_kind(parts: Sequence[object]) -> bool:
 
 def fuse_rows(parts: Sequence[Stackable]) -> Stackable:
     """One linear whose output is the parts' outputs side by side (same input)."""
-    if all(isinstance(p, Int4Linear) for p in parts):
-        return Int4Linear.stack(cast(Sequence[Int4Linear], parts))
-    return _fuse_int8(cast(Sequence[PerTokenInt8Linear], parts))
-
-
-def _fuse_int8(parts: Sequence[PerTokenInt8Linear]) -> PerTokenInt8Linear:
-    in_features = parts[0].in_features
-    if any(p.in_features != in_features for p in parts):
+    if len({p.in_features for p in parts}) != 1:
         raise ValueError("fused linears must share their input size")
+    bias = _stacked_bias(parts)
+    if all(isinstance(p, Int4Linear) for p in parts):
+        return Int4Linear.stack(cast(Sequence[Int4Linear], parts), bias)
+    return _fuse_int8(cast(Sequence[PerTokenInt8Linear], parts), bias)
+
+
+def _stacked_bias(parts: Sequence[Stackable]) -> torch.Tensor | None:
+    """The parts' biases side by side (zeros for a part without one), or None if none has one."""
+    if all(p.bias is None for p in parts):
+        return None
+    return torch.cat([p.bias.detach() if p.bias is not None else torch.zeros(p.out_features) for p in parts])
+
+
+def _fuse_int8(parts: Sequence[PerTokenInt8Linear], bias: torch.Tensor | None) -> PerTokenInt8Linear:
     weights = [p.int8_weight() for p in parts]
-    biases = [p.bias for p in parts]
-    bias = None
-    if any(b is not None for b in biases):
-        bias = torch.cat(
-            [
-                b.detach() if b is not None else torch.zeros(p.out_features)
-                for b, p in zip(biases, parts, strict=True)
-            ]
-        )
     return PerTokenInt8Linear.from_int8(
         torch.cat([w[0] for w in weights]), torch.cat([w[1] for w in weights]), bias, parts[0].kernel.name
     )

@@ -226,14 +226,11 @@ class Int4Linear(nn.Module):
         return cls(packed, linear.out_features, linear.bias)
 
     @classmethod
-    def stack(cls, parts: Sequence[Int4Linear]) -> Int4Linear:
-        """One linear whose output is the parts' outputs side by side; the same values exactly."""
-        if len({p.in_features for p in parts}) != 1:
-            raise ValueError("stacked linears must share their input size")
+    def stack(cls, parts: Sequence[Int4Linear], bias: torch.Tensor | None) -> Int4Linear:
+        """One linear whose output is the parts' outputs side by side, the same values exactly
+        (`fused_int8.fuse_rows` checks the input sizes and stacks the biases)."""
         pieces = [unpack(p.packed, p.out_features) for p in parts]
         q, scale, minimum = (torch.cat([piece[i] for piece in pieces]) for i in range(3))
-        biases = [p.bias.detach() if p.bias is not None else torch.zeros(p.out_features) for p in parts]
-        bias = torch.cat(biases) if any(p.bias is not None for p in parts) else None
         return cls(pack(q, scale, minimum), sum(p.out_features for p in parts), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
