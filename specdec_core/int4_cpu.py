@@ -116,12 +116,14 @@ def _build() -> Path:
         raise KernelUnavailable(
             "int4 compiles a small kernel and found no C compiler (cc, gcc); use --precision int8"
         )
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
-    built = kernels_dir() / f"int4_cpu-{key}.so"
-    if built.exists():
-        return built
-    built.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        key = hashlib.sha256(SOURCE.read_bytes() + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
+        built = kernels_dir() / f"int4_cpu-{key}.so"
+        if built.exists():
+            return built
+        built.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # the source unreadable, the cache folder not writable
+        raise KernelUnavailable(f"int4's kernel could not be built ({exc}); use --precision int8") from exc
     partial = built.with_name(f"{built.name}.{os.getpid()}.tmp")  # renamed into place when complete
     try:
         done = subprocess.run(

@@ -143,6 +143,15 @@ def test_no_compiler_is_a_one_line_refusal(monkeypatch, tmp_path) -> None:
     assert not list(tmp_path.rglob("*.so")) and not list(tmp_path.rglob("*.tmp"))
 
 
+def test_a_cache_folder_that_cannot_be_written_is_a_one_line_refusal(monkeypatch, tmp_path) -> None:
+    blocker = tmp_path / "cache"
+    blocker.write_text("a file where the cache folder should be")
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(blocker))
+    with pytest.raises(KernelUnavailable, match="could not be built") as caught:
+        int4_cpu._build()
+    assert "\n" not in str(caught.value)
+
+
 def test_a_failed_compile_is_a_one_line_refusal_and_leaves_nothing(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", "false")  # runs, fails, says nothing
