@@ -10,9 +10,10 @@ forward and 60 one-token steps). Three changes make every token's numbers a func
 of the token sequence alone:
 
 - Attention, row by row (`rowwise_attention`): each query row attends through the very
-  call a one-token step makes — one query over exactly its causal prefix, or its
-  sliding window — honouring the layer's scaling, grouped KV heads, window and
-  logit softcapping. A model whose attention needs more (sinks, chunked or
+  computation a one-token step makes — one query over exactly its causal prefix, or
+  its sliding window — honouring the layer's scaling, grouped KV heads, window and
+  logit softcapping. On the CPU in fp32 one C call does every row (attention_cpu.py);
+  elsewhere each row is its own SDPA call. A model whose attention needs more (sinks, chunked or
   recurrent layers) is refused (`rowwise_refusal`) and keeps its own attention.
 - Linears at one shape (`FixedRowsLinear`): rows go through the matmul in chunks of
   exactly B rows (zero-padded), so the kernel sees one shape whatever the batch.
@@ -40,6 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import AttentionInterface
+
+from . import attention_cpu
 
 NAME = "specdec_rowwise"
 _PLAIN_LAYERS = {"full_attention", "sliding_attention"}
@@ -69,6 +72,10 @@ def rowwise_attention(
     for name in _UNSUPPORTED_KWARGS:
         if kwargs.get(name) is not None:
             raise RuntimeError(f"row-wise attention does not support {name!r}; load without it")
+    if softcap is None:
+        native = attention_cpu.attend(query, key, value, scaling, sliding_window)
+        if native is not None:  # the same per-row computation, one call for all rows (CPU, fp32)
+            return native, None
     q_len, kv_len = query.shape[2], key.shape[2]
     rows = []
     for i in range(q_len):

@@ -21,7 +21,7 @@ from .progress import ProgressCallback
 @dataclass(frozen=True)
 class CacheItem:
     kind: str  # "gguf" (fetched file), "converted" (HF folder), "partial" (unfinished fetch/conversion),
-    # "kernel" (the compiled 4-bit kernel, rebuilt on next use)
+    # "kernel" (the compiled C kernels, rebuilt on next use)
     path: Path
     size_bytes: int
     description: str  # the GGUF a folder was converted from, the model a fetch is for
@@ -42,7 +42,7 @@ def list_cache() -> list[CacheItem]:
         source = Path(str(marker.get("source", "?"))).name
         items.append(CacheItem("converted", path, _tree_size(path), f"from {source}{checked}"))
     for path in sorted(kernels_dir().glob("*.so")):
-        items.append(CacheItem("kernel", path, path.stat().st_size, "4-bit CPU kernel, compiled here"))
+        items.append(CacheItem("kernel", path, path.stat().st_size, "CPU kernels, compiled here"))
     return items
 
 

@@ -14,10 +14,9 @@ so a row's result is bitwise the same in a 1-row step, a 9-row verify or a prefi
 at any thread count (tests/test_int4_cpu.py; the load-time self-check measures it on
 the loaded model).
 
-The kernel is compiled here once per machine with the system's C compiler into the
-cache folder (a second or two), and loaded with ctypes. It links the OpenMP runtime
-torch already loaded, so the two share one thread pool. No compiler, or a CPU without
-AVX-512 VNNI: `unavailable()` says why, and `int4` is refused in one line at load.
+The kernel is compiled here once per machine and loaded with ctypes (native.py). No
+compiler, or a CPU without AVX-512 VNNI: `native.unavailable()` says why, and `int4` is
+refused in one line at load.
 
 The target's LM head stays int8 (quant_cpu): it decides the argmax directly, and GGUF
 files keep it at 6 bits or more. A draft's head takes 4 bits (`head_to_int4`).
@@ -25,119 +24,18 @@ files keep it at 6 bits or more. A draft's head takes 4 bits (`head_to_int4`).
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import hashlib
-import os
-import shutil
-import subprocess
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from .cache import kernels_dir
+from .native import library
 from .quant_cpu import PerTokenInt8Linear
 
-SOURCE = Path(__file__).with_name("int4_cpu.c")
-FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vnni", "-mf16c", "-mfma", "-fopenmp", "-shared", "-fPIC")
 GROUP = 32  # inputs per weight scale and per activation scale
 LANES = 16  # output channels per block of the packed layout
 BLOCK_BYTES = 4 * 64 + 2 * LANES * 2  # nibbles of 16 channels x 32 inputs, then fp16 scales and minimums
 _FP16_MAX = 65504.0
-
-
-class KernelUnavailable(RuntimeError):
-    """The 4-bit kernel cannot run here; the message says why in one line."""
-
-
-def unavailable() -> str | None:
-    """Why the 4-bit kernel cannot run on this machine, or None when it can."""
-    try:
-        _library()
-    except KernelUnavailable as exc:
-        return str(exc)
-    return None
-
-
-def _library() -> ctypes.CDLL:
-    loaded = _load()
-    if isinstance(loaded, KernelUnavailable):
-        raise KernelUnavailable(str(loaded))
-    return loaded
-
-
-@functools.cache
-def _load() -> ctypes.CDLL | KernelUnavailable:
-    """The kernel, or why not: tried once per process (a failed compile is not retried per load)."""
-    try:
-        if not _cpu_has_vnni():
-            raise KernelUnavailable("int4 needs a CPU with AVX-512 VNNI; use --precision int8")
-        lib = _open(_build())
-    except KernelUnavailable as exc:
-        return exc
-    pointer, size = ctypes.c_void_p, ctypes.c_int64
-    lib.int4_linear.argtypes = [pointer, size, size, pointer, size, pointer, ctypes.c_int]
-    lib.int4_linear.restype = ctypes.c_int
-    return lib
-
-
-def _open(built: Path) -> ctypes.CDLL:
-    """Load the compiled kernel; a damaged one is deleted and compiled again, once."""
-    try:
-        return ctypes.CDLL(str(built))
-    except OSError:
-        built.unlink(missing_ok=True)
-    try:
-        return ctypes.CDLL(str(_build()))
-    except OSError as exc:
-        raise KernelUnavailable(
-            f"int4's compiled kernel does not load ({exc}); use --precision int8"
-        ) from exc
-
-
-def _cpu_has_vnni() -> bool:
-    """From the kernel's flags for the CPU (Linux); elsewhere the kernel is not offered."""
-    try:
-        info = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return False
-    flags = next(
-        (line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []
-    )
-    return {"avx512f", "avx512bw", "avx512_vnni", "f16c", "fma"} <= set(flags)
-
-
-def _build() -> Path:
-    """The compiled kernel in the cache folder, compiling it first if needed."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not compiler:
-        raise KernelUnavailable(
-            "int4 compiles a small kernel and found no C compiler (cc, gcc); use --precision int8"
-        )
-    try:
-        key = hashlib.sha256(SOURCE.read_bytes() + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
-        built = kernels_dir() / f"int4_cpu-{key}.so"
-        if built.exists():
-            return built
-        built.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:  # the source unreadable, the cache folder not writable
-        raise KernelUnavailable(f"int4's kernel could not be built ({exc}); use --precision int8") from exc
-    partial = built.with_name(f"{built.name}.{os.getpid()}.tmp")  # renamed into place when complete
-    try:
-        done = subprocess.run(
-            [compiler, *FLAGS, str(SOURCE), "-o", str(partial)], capture_output=True, text=True, timeout=300
-        )
-        if done.returncode != 0:
-            first = (done.stderr.strip().splitlines() or ["no message"])[0]
-            raise KernelUnavailable(f"int4's kernel did not compile ({first}); use --precision int8")
-        os.replace(partial, built)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise KernelUnavailable(f"int4's kernel could not be built ({exc}); use --precision int8") from exc
-    finally:
-        partial.unlink(missing_ok=True)
-    return built
 
 
 def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -220,7 +118,7 @@ class Int4Linear(nn.Module):
         self.out_features, self.in_features = out_features, packed.shape[1] * GROUP
         self.register_buffer("packed", packed.contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
-        _library()  # refuse here, in one line, if the kernel cannot run
+        library()  # refuse here, in one line, if the kernel cannot run
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Int4Linear:
@@ -239,7 +137,7 @@ class Int4Linear(nn.Module):
         shape = x.shape
         rows = x.reshape(-1, self.in_features).float().contiguous()
         y = torch.empty(rows.shape[0], self.out_features)
-        status = _library().int4_linear(
+        status = library().int4_linear(
             self.packed.data_ptr(), self.out_features, self.in_features,
             rows.data_ptr(), rows.shape[0], y.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from . import int4_cpu
+from . import int4_cpu, native
 from .batch_invariant import make_batch_invariant
 from .errors import ModelLoadError, OutOfMemory
 from .fused_int8 import apply_fusion
@@ -111,7 +111,7 @@ def resolve_precision(precision: str, device: str, parameters: int, *, offload: 
         return precision
     if device == "cpu":
         # 4 bits read ~0.6 of int8's bytes a step at the same perplexity (docs/performance.md).
-        if int4_cpu.unavailable() is None:
+        if native.unavailable() is None:
             return "int4"
         return "int8" if int8_available() else "bf16"
     half = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
@@ -132,7 +132,7 @@ def resolve_precision(precision: str, device: str, parameters: int, *, offload: 
 def _check_int4(device: str) -> None:
     if device != "cpu":
         raise ModelLoadError("int4 is a CPU precision; on a GPU use nf4")
-    reason = int4_cpu.unavailable()
+    reason = native.unavailable()
     if reason:
         raise ModelLoadError(reason)
 

@@ -15,7 +15,7 @@ import torch
 from archs import ARCHS, arch_model
 from tiny import hf_greedy, perturbed
 
-from specdec_core import int4_cpu
+from specdec_core import native
 from specdec_core.batch_invariant import make_batch_invariant
 from specdec_core.drafters import LookupThenModelDrafter, ModelDrafter, NgramDrafter, NoDrafter
 from specdec_core.engine import GenerationParams, SpeculativeEngine
@@ -26,7 +26,7 @@ PRECISIONS = [
     "fp32",
     "bf16",
     *(["int8"] if int8_available() else []),
-    *(["int4"] if int4_cpu.unavailable() is None else []),
+    *(["int4"] if native.unavailable() is None else []),
 ]
 NEW_TOKENS = 40
 PROMPT = "def add(a, b):\n    return a + b\n\nfor i in range(10):\n    print(i * i)\n"

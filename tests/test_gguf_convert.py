@@ -117,7 +117,7 @@ def test_list_cache_shows_fetched_partial_and_converted_items_and_clear_removes_
     fetched = write(gguf_convert.fetched_gguf_dir() / "some-model" / "m.gguf", b"GGUF fetched")
     write(gguf_convert.downloads_dir() / "other-model" / "part01.bin", b"chunk")
     folder = convert_gguf(fetched, converter=CountingConverter())
-    kernel = write(kernels_dir() / "int4_cpu-0123456789abcdef.so", b"ELF")
+    kernel = write(kernels_dir() / "native-0123456789abcdef.so", b"ELF")
     kinds = {(item.kind, item.path) for item in list_cache()}
     assert kinds == {
         ("gguf", fetched),

@@ -10,15 +10,15 @@ import torch
 from tiny import tiny_model
 from transformers import DynamicCache
 
-from specdec_core import int4_cpu
+from specdec_core import int4_cpu, native
 from specdec_core.batch_invariant import make_batch_invariant
 from specdec_core.errors import ModelLoadError
 from specdec_core.fused_int8 import FusedGateUpMLP, fuse_int8_projections, fuse_rows
-from specdec_core.int4_cpu import GROUP, Int4Linear, KernelUnavailable, quantize_linears_int4
+from specdec_core.int4_cpu import GROUP, Int4Linear, quantize_linears_int4
 from specdec_core.loading import resolve_precision
 from specdec_core.quant_cpu import PerTokenInt8Linear
 
-needs_kernel = pytest.mark.skipif(int4_cpu.unavailable() is not None, reason=str(int4_cpu.unavailable()))
+needs_kernel = pytest.mark.skipif(native.unavailable() is not None, reason=str(native.unavailable()))
 
 
 def _linear(out_features: int, in_features: int, seed: int = 0) -> torch.nn.Linear:
@@ -132,41 +132,6 @@ def test_fused_4_bit_projections_give_bitwise_the_logits_of_separate_ones(tokeni
 @torch.inference_mode()
 def _logits_one_piece(model, ids: torch.Tensor) -> torch.Tensor:
     return model(ids, cache=DynamicCache(config=model.config)).logits[0]
-
-
-def test_no_compiler_is_a_one_line_refusal(monkeypatch, tmp_path) -> None:
-    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    with pytest.raises(KernelUnavailable, match="could not be built") as caught:
-        int4_cpu._build()
-    assert "\n" not in str(caught.value)
-    assert not list(tmp_path.rglob("*.so")) and not list(tmp_path.rglob("*.tmp"))
-
-
-def test_a_cache_folder_that_cannot_be_written_is_a_one_line_refusal(monkeypatch, tmp_path) -> None:
-    blocker = tmp_path / "cache"
-    blocker.write_text("a file where the cache folder should be")
-    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(blocker))
-    with pytest.raises(KernelUnavailable, match="could not be built") as caught:
-        int4_cpu._build()
-    assert "\n" not in str(caught.value)
-
-
-def test_a_failed_compile_is_a_one_line_refusal_and_leaves_nothing(monkeypatch, tmp_path) -> None:
-    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv("CC", "false")  # runs, fails, says nothing
-    with pytest.raises(KernelUnavailable, match="did not compile"):
-        int4_cpu._build()
-    assert not list(tmp_path.rglob("*.so")) and not list(tmp_path.rglob("*.tmp"))
-
-
-@needs_kernel
-def test_a_damaged_compiled_kernel_is_compiled_again(monkeypatch, tmp_path) -> None:
-    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))
-    built = int4_cpu._build()
-    built.write_bytes(b"not a shared library")
-    lib = int4_cpu._open(built)
-    assert hasattr(lib, "int4_linear") and built.read_bytes().startswith(b"\x7fELF")
 
 
 def test_int4_on_a_gpu_is_refused_in_one_line() -> None:

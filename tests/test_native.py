@@ -1,0 +1,122 @@
+"""The C kernels: built once and loaded, one-line refusals when they cannot be, and
+row-wise attention that gives a row the same numbers in any batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specdec_core import attention_cpu, native
+from specdec_core.native import KernelUnavailable
+
+needs_kernel = pytest.mark.skipif(native.unavailable() is not None, reason=str(native.unavailable()))
+
+
+def _attention_inputs(heads: int, kv_heads: int, dim: int, keys: int, rows: int, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    query = torch.randn(1, heads, rows, dim, generator=generator)
+    key, value = (torch.randn(1, kv_heads, keys, dim, generator=generator) for _ in range(2))
+    return query, key, value
+
+
+def _sdpa_row_by_row(query, key, value, scaling, window):
+    rows, keys = query.shape[2], key.shape[2]
+    out = []
+    for i in range(rows):
+        end = keys - rows + i + 1
+        start = max(0, end - window) if window else 0
+        out.append(
+            F.scaled_dot_product_attention(
+                query[:, :, i : i + 1],
+                key[:, :, start:end],
+                value[:, :, start:end],
+                scale=scaling,
+                enable_gqa=query.shape[1] > key.shape[1],
+            )
+        )
+    return torch.cat(out, dim=2).transpose(1, 2)
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim", "keys", "rows", "scaling", "window"),
+    [
+        (12, 2, 128, 300, 9, None, None),  # grouped heads, a verify after a long cache
+        (4, 4, 64, 40, 40, 0.3, None),  # a whole prefill, its own scaling
+        (8, 2, 96, 50, 7, None, 16),  # a sliding window shorter than the cache
+        (2, 1, 256, 5, 5, None, None),
+    ],
+)
+def test_native_attention_computes_what_sdpa_computes_row_by_row(
+    heads, kv_heads, dim, keys, rows, scaling, window
+):
+    query, key, value = _attention_inputs(heads, kv_heads, dim, keys, rows)
+    out = attention_cpu.attend(query, key, value, scaling, window)
+    expected = _sdpa_row_by_row(query, key, value, scaling, window)
+    torch.testing.assert_close(out, expected, rtol=0, atol=2e-6)
+
+
+@needs_kernel
+def test_a_rows_attention_is_bitwise_the_same_alone_in_a_batch_and_at_any_thread_count():
+    query, key, value = _attention_inputs(6, 2, 64, 120, 17)
+    threads = torch.get_num_threads()
+    try:
+        by_threads = []
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            by_threads.append(attention_cpu.attend(query, key, value, None, 32))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(by_threads[0], other) for other in by_threads[1:])
+    for rows in (1, 4, 16):  # the last `rows` tokens as a verify over the same keys
+        part = attention_cpu.attend(query[:, :, -rows:], key, value, None, 32)
+        assert torch.equal(part, by_threads[0][:, -rows:])
+
+
+def test_attention_the_kernel_does_not_cover_is_left_to_sdpa(monkeypatch):
+    query, key, value = _attention_inputs(4, 2, 72, 10, 2)
+    assert attention_cpu.attend(query, key, value, None, None) is None  # head size not a multiple of 16
+    query, key, value = _attention_inputs(4, 2, 64, 10, 2)
+    assert attention_cpu.attend(query.bfloat16(), key.bfloat16(), value.bfloat16(), None, None) is None
+    monkeypatch.setattr(native, "unavailable", lambda: "no compiler")
+    assert attention_cpu.attend(query, key, value, None, None) is None
+
+
+def test_no_compiler_is_a_one_line_refusal(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    with pytest.raises(KernelUnavailable, match="could not be built") as caught:
+        native._build()
+    assert "\n" not in str(caught.value)
+    assert not list(tmp_path.rglob("*.so")) and not list(tmp_path.rglob("*.tmp"))
+
+
+def test_a_cache_folder_that_cannot_be_written_is_a_one_line_refusal(monkeypatch, tmp_path) -> None:
+    blocker = tmp_path / "cache"
+    blocker.write_text("a file where the cache folder should be")
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(blocker))
+    with pytest.raises(KernelUnavailable, match="could not be built") as caught:
+        native._build()
+    assert "\n" not in str(caught.value)
+
+
+def test_a_failed_compile_is_a_one_line_refusal_and_leaves_nothing(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "false")  # runs, fails, says nothing
+    with pytest.raises(KernelUnavailable, match="did not compile"):
+        native._build()
+    assert not list(tmp_path.rglob("*.so")) and not list(tmp_path.rglob("*.tmp"))
+
+
+@needs_kernel
+def test_a_damaged_compiled_kernel_is_compiled_again(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))
+    built = native._build()
+    built.write_bytes(b"not a shared library")
+    lib = native._open(built)
+    assert (
+        hasattr(lib, "int4_linear")
+        and hasattr(lib, "causal_attention")
+        and built.read_bytes().startswith(b"\x7fELF")
+    )
