@@ -49,7 +49,7 @@ static void quantize_row(const float *x, int64_t k, int8_t *q, float *scale, flo
 /* rows (at most TILE) x one block of 16 channels; always inlined with a constant `rows`. */
 static inline __attribute__((always_inline)) void block_tile(
     const uint8_t *w, int64_t groups, const int8_t *q, const float *scale, const float *scaled_sum,
-    int64_t k, int rows, float *y, int64_t n_out, int64_t col) {
+    int64_t k, int rows, const float *bias, float *y, int64_t n_out, int64_t col) {
     __m512 acc[TILE];
     for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
     const __m512i nibble = _mm512_set1_epi8(0x0F);
@@ -82,23 +82,29 @@ static inline __attribute__((always_inline)) void block_tile(
     }
     int64_t valid = n_out - col < LANES ? n_out - col : LANES;
     __mmask16 mask = (__mmask16)((1u << valid) - 1u);
+    if (bias) {
+        __m512 b = _mm512_maskz_loadu_ps(mask, bias + col);
+        for (int r = 0; r < rows; r++) acc[r] = _mm512_add_ps(acc[r], b);
+    }
     for (int r = 0; r < rows; r++) _mm512_mask_storeu_ps(y + r * n_out + col, mask, acc[r]);
 }
 
 static void block_rows(const uint8_t *w, int64_t groups, const int8_t *q, const float *scale,
-                       const float *scaled_sum, int64_t k, int rows, float *y, int64_t n_out, int64_t col) {
+                       const float *scaled_sum, int64_t k, int rows, const float *bias, float *y,
+                       int64_t n_out, int64_t col) {
     switch (rows) {
 #define CASE(n) \
-    case n: block_tile(w, groups, q, scale, scaled_sum, k, n, y, n_out, col); break;
+    case n: block_tile(w, groups, q, scale, scaled_sum, k, n, bias, y, n_out, col); break;
         CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7)
-        default: block_tile(w, groups, q, scale, scaled_sum, k, TILE, y, n_out, col); break;
+        default: block_tile(w, groups, q, scale, scaled_sum, k, TILE, bias, y, n_out, col); break;
 #undef CASE
     }
 }
 
-/* y [rows, n_out] = x [rows, k] times the packed weights; 0, or -1 when out of memory. */
-int int4_linear(const uint8_t *w, int64_t n_out, int64_t k, const float *x, int64_t rows, float *y,
-                int threads) {
+/* y [rows, n_out] = x [rows, k] times the packed weights, plus bias [n_out] unless it is NULL
+ * (one float add, as `y += bias` would); 0, or -1 when out of memory. */
+int int4_linear(const uint8_t *w, int64_t n_out, int64_t k, const float *x, int64_t rows,
+                const float *bias, float *y, int threads) {
     int64_t groups = k / GROUP, blocks = (n_out + LANES - 1) / LANES;
     int8_t *q = malloc((size_t)(rows * k));
     float *scale = malloc(sizeof(float) * (size_t)(rows * groups));
@@ -117,7 +123,7 @@ int int4_linear(const uint8_t *w, int64_t n_out, int64_t k, const float *x, int6
             for (int64_t r0 = 0; r0 < rows; r0 += TILE) {
                 int tile_rows = rows - r0 < TILE ? (int)(rows - r0) : TILE;
                 block_rows(w + b * groups * BLOCK_BYTES, groups, q + r0 * k, scale + r0 * groups,
-                           scaled_sum + r0 * groups, k, tile_rows, y + r0 * n_out, n_out, b * LANES);
+                           scaled_sum + r0 * groups, k, tile_rows, bias, y + r0 * n_out, n_out, b * LANES);
             }
         }
     }

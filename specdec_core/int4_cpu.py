@@ -117,7 +117,9 @@ class Int4Linear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = out_features, packed.shape[1] * GROUP
         self.register_buffer("packed", packed.contiguous())
-        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+        self.bias = (
+            None if bias is None else nn.Parameter(bias.detach().float().contiguous(), requires_grad=False)
+        )
         library()  # refuse here, in one line, if the kernel cannot run
 
     @classmethod
@@ -134,18 +136,18 @@ class Int4Linear(nn.Module):
         return cls(pack(q, scale, minimum), sum(p.out_features for p in parts), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        rows = x.reshape(-1, self.in_features).float().contiguous()
+        # Called ~100 times a step: no work here that fp32, contiguous input does not need.
+        rows = x.reshape(-1, self.in_features)
+        if rows.dtype != torch.float32 or not rows.is_contiguous():
+            rows = rows.float().contiguous()
         y = torch.empty(rows.shape[0], self.out_features)
         status = library().int4_linear(
-            self.packed.data_ptr(), self.out_features, self.in_features,
-            rows.data_ptr(), rows.shape[0], y.data_ptr(), torch.get_num_threads(),
+            self.packed.data_ptr(), self.out_features, self.in_features, rows.data_ptr(), rows.shape[0],
+            None if self.bias is None else self.bias.data_ptr(), y.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         if status != 0:
             raise MemoryError(f"out of memory in a 4-bit linear of {rows.shape[0]} rows")
-        if self.bias is not None:
-            y += self.bias
-        return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
+        return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def dense_weight(self) -> torch.Tensor:
         """The weights as floats [out, in], exactly the values the kernel multiplies by."""
