@@ -35,6 +35,7 @@ from . import int4_cpu, native
 from .batch_invariant import make_batch_invariant
 from .errors import ModelLoadError, OutOfMemory
 from .fused_int8 import apply_fusion
+from .layers_cpu import speed_up_layers
 from .progress import Progress, ProgressCallback, check_cancelled
 from .quant_cpu import int8_available, quantize_linears_int8
 from .refs import resolve_model_ref
@@ -275,6 +276,8 @@ def _load_weights(
         # At every precision: a verify and plain decoding give bitwise-equal logits
         # (batch_invariant; measured at load by the self-check).
         make_batch_invariant(model)
+        if precision in ("int8", "int4"):
+            speed_up_layers(model)  # norms and rotary embedding in C: fewer calls a layer
     return model.eval()
 
 

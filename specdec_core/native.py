@@ -1,9 +1,10 @@
 """The project's C kernels for the CPU: compiled here once per machine, loaded with ctypes.
 
-Two kernels share one library: `int4_cpu.c` (4-bit weights x int8 activations, the
-int4 precision) and `attention_cpu.c` (causal attention a row at a time, in one call
-per layer). Both give every row the same numbers whatever the batch and thread count,
-which is what keeps speculative decoding exact.
+One library holds them: `int4_cpu.c` (4-bit weights x int8 activations, the int4
+precision), `attention_cpu.c` (causal attention a row at a time, in one call per
+layer) and `layers_cpu.c` (a decoder layer's norm and rotary embedding). All give every
+row the same numbers whatever the batch and thread count, which is what keeps
+speculative decoding exact.
 
 The sources ship with the package. The first use compiles them with the system's C
 compiler (a second or two) into `<cache>/kernels/native-<key>.so`, the key a hash of
@@ -26,8 +27,20 @@ from pathlib import Path
 
 from .cache import kernels_dir
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("int4_cpu.c", "attention_cpu.c"))
-FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vnni", "-mf16c", "-mfma", "-fopenmp", "-shared", "-fPIC")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("int4_cpu.c", "attention_cpu.c", "layers_cpu.c"))
+# -ffp-contract=off: a multiply then an add round twice, as torch's separate ops do.
+FLAGS = (
+    "-O3",
+    "-mavx512f",
+    "-mavx512bw",
+    "-mavx512vnni",
+    "-mf16c",
+    "-mfma",
+    "-ffp-contract=off",
+    "-fopenmp",
+    "-shared",
+    "-fPIC",
+)
 _INT4_ADVICE = "use --precision int8"
 
 
@@ -65,6 +78,10 @@ def _load() -> ctypes.CDLL | KernelUnavailable:
     lib.int4_linear.restype = c_int
     lib.causal_attention.argtypes = [pointer] * 4 + [size] * 5 + [c_float, size, c_int]
     lib.causal_attention.restype = c_int
+    lib.rms_norm.argtypes = [pointer, pointer, pointer, size, size, c_float]
+    lib.rms_norm.restype = None
+    lib.rotary.argtypes = [pointer, size, pointer, pointer, pointer, size, size, size]
+    lib.rotary.restype = None
     return lib
 
 

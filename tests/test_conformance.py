@@ -19,7 +19,9 @@ from specdec_core import native
 from specdec_core.batch_invariant import make_batch_invariant
 from specdec_core.drafters import LookupThenModelDrafter, ModelDrafter, NgramDrafter, NoDrafter
 from specdec_core.engine import GenerationParams, SpeculativeEngine
+from specdec_core.fused_int8 import fuse_int8_projections
 from specdec_core.int4_cpu import quantize_linears_int4
+from specdec_core.layers_cpu import speed_up_layers
 from specdec_core.quant_cpu import int8_available, quantize_linears_int8
 
 PRECISIONS = [
@@ -41,7 +43,11 @@ def at_precision(model, precision: str):
         quantize_linears_int8(model)
     if precision == "int4":
         assert quantize_linears_int4(model) > 0
+    if precision in ("int8", "int4"):
+        fuse_int8_projections(model)
     make_batch_invariant(model)
+    if precision in ("int8", "int4"):
+        speed_up_layers(model)  # the plain Llama-shaped families: norms and rotary in C
     return model
 
 

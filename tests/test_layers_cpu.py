@@ -1,0 +1,117 @@
+"""Decoder layers in fewer calls (layers_cpu): the same function as transformers' layers,
+the same numbers for a row however tokens are grouped, and only where the shape fits."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+from archs import WINDOW, arch_model
+from transformers import DynamicCache
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from specdec_core import native
+from specdec_core.batch_invariant import make_batch_invariant
+from specdec_core.fused_int8 import fuse_int8_projections
+from specdec_core.int4_cpu import quantize_linears_int4
+from specdec_core.layers_cpu import FastLayer, rms_norm, rotary, speed_up_layers
+from specdec_core.quant_cpu import int8_available, quantize_linears_int8
+
+pytestmark = pytest.mark.skipif(native.unavailable() is not None, reason=str(native.unavailable()))
+PLAIN = ["llama", "qwen2", "qwen2-swa", "mistral"]
+PRECISIONS = ["int4", *(["int8"] if int8_available() else [])]
+
+
+def loaded(model, precision: str):
+    """As the loader makes a CPU int8/int4 model, before the layers are sped up."""
+    model = copy.deepcopy(model)
+    (quantize_linears_int4 if precision == "int4" else quantize_linears_int8)(model)
+    fuse_int8_projections(model)
+    assert make_batch_invariant(model) is None
+    return model
+
+
+@torch.inference_mode()
+def logits_in_groups(model, ids: torch.Tensor, bounds: list[int]) -> torch.Tensor:
+    cache = DynamicCache(config=model.config)
+    return torch.cat([model(ids[:, s:e], cache=cache).logits[0] for s, e in itertools.pairwise(bounds)])
+
+
+def _ids(tokenizer, n: int) -> torch.Tensor:
+    return torch.randint(0, len(tokenizer), (1, n), generator=torch.Generator().manual_seed(0))
+
+
+def with_our_norms(model):
+    """transformers' layers, their RMSNorms computed by layers_cpu.rms_norm."""
+    for layer in model.model.layers:
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            norm.forward = lambda x, norm=norm: rms_norm(x, norm)
+    return model
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("arch", PLAIN)
+def test_fast_layers_compute_bitwise_what_transformers_layers_compute_with_the_same_norm(
+    tokenizer, arch, precision
+):
+    """Attention, window, cache, rotary embedding, MLP and residuals wired as transformers wires them.
+
+    Only the norm's order of summation differs from transformers' own layer, and int8
+    activations can turn that last-bit difference into a whole quantization step, so the
+    comparison is with transformers' layer computing the same norm."""
+    reference = with_our_norms(loaded(arch_model(arch, len(tokenizer)), precision))
+    fast = loaded(arch_model(arch, len(tokenizer)), precision)
+    assert speed_up_layers(fast) == fast.config.num_hidden_layers
+    n = 3 * WINDOW  # past the window of the sliding families
+    ids = _ids(tokenizer, n)
+    for bounds in ([0, n], [0, 20, 21, 26, 27, n]):
+        assert torch.equal(logits_in_groups(fast, ids, bounds), logits_in_groups(reference, ids, bounds))
+
+
+def test_the_norm_is_transformers_rmsnorm_up_to_rounding(tokenizer):
+    layer = arch_model("qwen2", len(tokenizer)).model.layers[0]
+    norm = layer.input_layernorm
+    norm.weight.data = torch.randn(norm.weight.shape, generator=torch.Generator().manual_seed(2))
+    x = torch.randn(5, 3, norm.weight.shape[0], generator=torch.Generator().manual_seed(3)) * 4
+    torch.testing.assert_close(rms_norm(x, norm), norm(x), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("arch", PLAIN)
+def test_fast_layers_give_a_token_the_same_logits_however_tokens_are_grouped(tokenizer, arch, precision):
+    model = loaded(arch_model(arch, len(tokenizer)), precision)
+    speed_up_layers(model)
+    n = 3 * WINDOW
+    ids = _ids(tokenizer, n)
+    whole = logits_in_groups(model, ids, [0, n])
+    assert torch.equal(whole, logits_in_groups(model, ids, [0, 20, 21, 26, 27, n]))  # prefill + verifies
+    assert torch.equal(whole, logits_in_groups(model, ids, [0, *range(n - 6, n + 1)]))  # plain steps
+
+
+def test_the_rotary_embedding_is_bitwise_transformers_own():
+    generator = torch.Generator().manual_seed(0)
+    rows, heads, dim = 7, 3, 32
+    fused = torch.randn(1, rows, 2 * heads * dim, generator=generator)
+    cos, sin = (torch.randn(1, rows, dim, generator=generator) for _ in range(2))
+    part = fused[..., : heads * dim]  # a column slice of a fused projection, as the layer gets it
+    heads_first = part.view(1, rows, heads, dim).transpose(1, 2)
+    expected, _ = apply_rotary_pos_emb(heads_first, heads_first, cos, sin)
+    assert torch.equal(rotary(part, cos, sin, dim), expected)
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "phi3", "qwen3"])
+def test_layers_of_other_shapes_keep_transformers_forward(tokenizer, arch):
+    model = arch_model(arch, len(tokenizer))
+    quantize_linears_int4(model)
+    fuse_int8_projections(model)
+    make_batch_invariant(model)
+    assert speed_up_layers(model) == 0
+    assert not any(isinstance(module, FastLayer) for module in model.modules())
+
+
+def test_unfused_or_full_precision_layers_keep_transformers_forward(tokenizer):
+    model = arch_model("qwen2", len(tokenizer))
+    make_batch_invariant(model)  # fp32: transformers' own linears, not fused
+    assert speed_up_layers(model) == 0
