@@ -37,10 +37,10 @@ Stackable = PerTokenInt8Linear | Int4Linear
 
 
 def _same_kind(parts: Sequence[object]) -> bool:
-    """All our int8 linears, or all our 4-bit ones: the kinds whose rows stack exactly."""
-    return all(isinstance(p, PerTokenInt8Linear) for p in parts) or all(
-        isinstance(p, Int4Linear) for p in parts
-    )
+    """All our int8 linears, or all our 4-bit ones of one bit width: the kinds whose rows stack exactly."""
+    if all(isinstance(p, Int4Linear) for p in parts):
+        return len({cast(Int4Linear, p).bits for p in parts}) == 1
+    return all(isinstance(p, PerTokenInt8Linear) for p in parts)
 
 
 def fuse_rows(parts: Sequence[Stackable]) -> Stackable:

@@ -1,7 +1,8 @@
-/* 4-bit weights x 8-bit activations on AVX-512 VNNI, the same numbers for any row count.
+/* 4-bit (or 6-bit) weights x 8-bit activations on AVX-512 VNNI, the same numbers for any
+ * row count.
  *
  * Weights: asymmetric, one fp16 scale and one fp16 minimum per 32 inputs of each output
- * channel (w = scale * q + min, q in 0..15). Activations: symmetric int8, one scale per
+ * channel (w = scale * q + min, q in 0..15, or 0..63 at 6 bits). Activations: symmetric int8, one scale per
  * 32 inputs of each row (a = max |x| / 127). A group's dot product is
  *
  *     a * (scale * sum(q * xq) + min * sum(xq))
@@ -12,7 +13,8 @@
  *
  * Layout, per block of 16 output channels and group of 32 inputs (BLOCK_BYTES bytes):
  * four 64-byte vectors of nibbles, byte 4c + i of vector t holding, for channel c, input
- * 8t + i in its low nibble and input 8t + 4 + i in its high nibble; then the 16
+ * 8t + i in its low nibble and input 8t + 4 + i in its high nibble (the low 4 bits of q);
+ * at 6 bits, two 64-byte vectors of the top 2 bits (unpack_group); then the 16
  * channels' fp16 scales and their 16 fp16 minimums.
  */
 #include <immintrin.h>
@@ -26,7 +28,8 @@
 /* Groups ahead to prefetch: measured on the 1.5B's layers, 1 row, 2 threads: none 51 ms,
  * 4 ahead 46, 8 ahead 40, 16 ahead 39 (24 and 32 no better). */
 #define PREFETCH 16
-#define BLOCK_BYTES (4 * 64 + 2 * LANES * 2)
+#define SCALE_BYTES (2 * LANES * 2)
+#define BLOCK_BYTES(bits) (4 * 64 + ((bits) == 6 ? 2 * 64 : 0) + SCALE_BYTES)
 
 /* One row's groups: int8 values, scale a, and a * sum(values). */
 static void quantize_row(const float *x, int64_t k, int8_t *q, float *scale, float *scaled_sum) {
@@ -46,25 +49,43 @@ static void quantize_row(const float *x, int64_t k, int8_t *q, float *scale, flo
     }
 }
 
-/* rows (at most TILE) x one block of 16 channels; always inlined with a constant `rows`. */
+/* The 8 weight vectors of a group: bytes 0..15 (4 bits) or 0..63 (6 bits) for vpdpbusd. */
+static inline __attribute__((always_inline)) void unpack_group(const uint8_t *blk, int bits, __m512i wv[8]) {
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    for (int t = 0; t < 4; t++) {
+        __m512i packed = _mm512_loadu_si512((const void *)(blk + 64 * t));
+        wv[2 * t] = _mm512_and_si512(packed, nibble);
+        wv[2 * t + 1] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
+    }
+    if (bits != 6) return;
+    /* Two more vectors hold the top 2 bits: bits 2j..2j+1 of vector h belong to wv[4h + j].
+     * 16-bit shifts move bits across bytes only into positions the 0x30 mask clears. */
+    const __m512i top = _mm512_set1_epi8(0x30);
+    for (int h = 0; h < 2; h++) {
+        __m512i high = _mm512_loadu_si512((const void *)(blk + 256 + 64 * h));
+        wv[4 * h] = _mm512_or_si512(wv[4 * h], _mm512_and_si512(_mm512_slli_epi16(high, 4), top));
+        wv[4 * h + 1] = _mm512_or_si512(wv[4 * h + 1], _mm512_and_si512(_mm512_slli_epi16(high, 2), top));
+        wv[4 * h + 2] = _mm512_or_si512(wv[4 * h + 2], _mm512_and_si512(high, top));
+        wv[4 * h + 3] = _mm512_or_si512(wv[4 * h + 3], _mm512_and_si512(_mm512_srli_epi16(high, 2), top));
+    }
+}
+
+/* rows (at most TILE) x one block of 16 channels; always inlined with constant `rows`, `bits`. */
 static inline __attribute__((always_inline)) void block_tile(
     const uint8_t *w, int64_t groups, const int8_t *q, const float *scale, const float *scaled_sum,
-    int64_t k, int rows, const float *bias, float *y, int64_t n_out, int64_t col) {
+    int64_t k, int rows, int bits, const float *bias, float *y, int64_t n_out, int64_t col) {
     __m512 acc[TILE];
     for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
-    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    const int64_t block_bytes = BLOCK_BYTES(bits);
     for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *blk = w + g * BLOCK_BYTES;
-        for (int line = 0; line < BLOCK_BYTES; line += 64)  /* never faults, even past the end */
-            _mm_prefetch((const char *)(blk + PREFETCH * BLOCK_BYTES + line), _MM_HINT_T0);
+        const uint8_t *blk = w + g * block_bytes;
+        for (int line = 0; line < block_bytes; line += 64)  /* never faults, even past the end */
+            _mm_prefetch((const char *)(blk + PREFETCH * block_bytes + line), _MM_HINT_T0);
         __m512i wv[8];
-        for (int t = 0; t < 4; t++) {
-            __m512i packed = _mm512_loadu_si512((const void *)(blk + 64 * t));
-            wv[2 * t] = _mm512_and_si512(packed, nibble);
-            wv[2 * t + 1] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
-        }
-        __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 256)));
-        __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 256 + 32)));
+        unpack_group(blk, bits, wv);
+        const uint8_t *scales = blk + block_bytes - SCALE_BYTES;
+        __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)scales));
+        __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + 32)));
         __m512i dot[TILE];
         for (int r = 0; r < rows; r++) dot[r] = _mm512_setzero_si512();
         /* Rows innermost: independent chains for the out-of-order core. */
@@ -89,22 +110,30 @@ static inline __attribute__((always_inline)) void block_tile(
     for (int r = 0; r < rows; r++) _mm512_mask_storeu_ps(y + r * n_out + col, mask, acc[r]);
 }
 
-static void block_rows(const uint8_t *w, int64_t groups, const int8_t *q, const float *scale,
-                       const float *scaled_sum, int64_t k, int rows, const float *bias, float *y,
-                       int64_t n_out, int64_t col) {
-    switch (rows) {
-#define CASE(n) \
-    case n: block_tile(w, groups, q, scale, scaled_sum, k, n, bias, y, n_out, col); break;
-        CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7)
-        default: block_tile(w, groups, q, scale, scaled_sum, k, TILE, bias, y, n_out, col); break;
-#undef CASE
+#define BLOCK_ROWS(bits)                                                                            \
+    static void block_rows_##bits(const uint8_t *w, int64_t groups, const int8_t *q, const float *scale, \
+                                  const float *scaled_sum, int64_t k, int rows, const float *bias,      \
+                                  float *y, int64_t n_out, int64_t col) {                               \
+        switch (rows) {                                                                                 \
+            case 1: block_tile(w, groups, q, scale, scaled_sum, k, 1, bits, bias, y, n_out, col); break; \
+            case 2: block_tile(w, groups, q, scale, scaled_sum, k, 2, bits, bias, y, n_out, col); break; \
+            case 3: block_tile(w, groups, q, scale, scaled_sum, k, 3, bits, bias, y, n_out, col); break; \
+            case 4: block_tile(w, groups, q, scale, scaled_sum, k, 4, bits, bias, y, n_out, col); break; \
+            case 5: block_tile(w, groups, q, scale, scaled_sum, k, 5, bits, bias, y, n_out, col); break; \
+            case 6: block_tile(w, groups, q, scale, scaled_sum, k, 6, bits, bias, y, n_out, col); break; \
+            case 7: block_tile(w, groups, q, scale, scaled_sum, k, 7, bits, bias, y, n_out, col); break; \
+            default: block_tile(w, groups, q, scale, scaled_sum, k, TILE, bits, bias, y, n_out, col);    \
+        }                                                                                               \
     }
-}
+BLOCK_ROWS(4)
+BLOCK_ROWS(6)
+#undef BLOCK_ROWS
 
-/* y [rows, n_out] = x [rows, k] times the packed weights, plus bias [n_out] unless it is NULL
- * (one float add, as `y += bias` would); 0, or -1 when out of memory. */
+/* y [rows, n_out] = x [rows, k] times the packed weights of `bits` (4 or 6), plus bias [n_out]
+ * unless it is NULL (one float add, as `y += bias` would); 0, or -1 when out of memory. */
 int int4_linear(const uint8_t *w, int64_t n_out, int64_t k, const float *x, int64_t rows,
-                const float *bias, float *y, int threads) {
+                const float *bias, float *y, int threads, int bits) {
+    if (bits != 4 && bits != 6) return -1;
     int64_t groups = k / GROUP, blocks = (n_out + LANES - 1) / LANES;
     int8_t *q = malloc((size_t)(rows * k));
     float *scale = malloc(sizeof(float) * (size_t)(rows * groups));
@@ -122,8 +151,13 @@ int int4_linear(const uint8_t *w, int64_t n_out, int64_t k, const float *x, int6
         for (int64_t b = 0; b < blocks; b++) {
             for (int64_t r0 = 0; r0 < rows; r0 += TILE) {
                 int tile_rows = rows - r0 < TILE ? (int)(rows - r0) : TILE;
-                block_rows(w + b * groups * BLOCK_BYTES, groups, q + r0 * k, scale + r0 * groups,
-                           scaled_sum + r0 * groups, k, tile_rows, bias, y + r0 * n_out, n_out, b * LANES);
+                const uint8_t *wb = w + b * groups * BLOCK_BYTES(bits);
+                if (bits == 6)
+                    block_rows_6(wb, groups, q + r0 * k, scale + r0 * groups, scaled_sum + r0 * groups, k,
+                                 tile_rows, bias, y + r0 * n_out, n_out, b * LANES);
+                else
+                    block_rows_4(wb, groups, q + r0 * k, scale + r0 * groups, scaled_sum + r0 * groups, k,
+                                 tile_rows, bias, y + r0 * n_out, n_out, b * LANES);
             }
         }
     }

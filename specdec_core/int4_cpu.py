@@ -34,19 +34,28 @@ from .quant_cpu import PerTokenInt8Linear
 
 GROUP = 32  # inputs per weight scale and per activation scale
 LANES = 16  # output channels per block of the packed layout
-BLOCK_BYTES = 4 * 64 + 2 * LANES * 2  # nibbles of 16 channels x 32 inputs, then fp16 scales and minimums
+SCALE_BYTES = 2 * LANES * 2  # 16 fp16 scales, then 16 fp16 minimums
+HEAD_BITS = 6  # the target's LM head (GGUF files keep it at 6 bits or more)
+
+
+def block_bytes(bits: int) -> int:
+    """Bytes per 16 channels x 32 inputs: the low nibbles, at 6 bits the top 2 bits, the scales."""
+    return 4 * 64 + (2 * 64 if bits == 6 else 0) + SCALE_BYTES
+
+
 _FP16_MAX = 65504.0
 
 
-def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(q [out, in] uint8 in 0..15, scale [out, in/32] fp16, minimum [out, in/32] fp16)."""
+def quantize(weight: torch.Tensor, bits: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q [out, in] uint8 in 0..2^bits-1, scale [out, in/32] fp16, minimum [out, in/32] fp16)."""
     out_features, in_features = weight.shape
+    top = 2**bits - 1
     groups = weight.detach().float().reshape(out_features, in_features // GROUP, GROUP)
     minimum = groups.amin(-1).half()
-    scale = ((groups.amax(-1) - minimum.float()) / 15).half()
+    scale = ((groups.amax(-1) - minimum.float()) / top).half()
     steps = scale.float()[..., None]
     q = torch.where(steps > 0, (groups - minimum.float()[..., None]) / steps.clamp_min(1e-30), 0.0)
-    q = q.round().clamp(0, 15).to(torch.uint8).reshape(out_features, in_features)
+    q = q.round().clamp(0, top).to(torch.uint8).reshape(out_features, in_features)
     return q, scale, minimum
 
 
@@ -56,8 +65,8 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> t
     return (groups * scale.float()[..., None] + minimum.float()[..., None]).reshape(out_features, in_features)
 
 
-def pack(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
-    """The kernel's layout (see int4_cpu.c): [blocks of 16 channels, groups, BLOCK_BYTES] uint8."""
+def pack(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bits: int = 4) -> torch.Tensor:
+    """The kernel's layout (see int4_cpu.c): [blocks of 16 channels, groups, block_bytes(bits)] uint8."""
     out_features, in_features = q.shape
     padded = -(-out_features // LANES) * LANES
     extra = padded - out_features
@@ -67,29 +76,42 @@ def pack(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.T
         minimum = torch.cat([minimum, minimum.new_zeros(extra, minimum.shape[1])])
     blocks, groups = padded // LANES, in_features // GROUP
     # channel, group, vector t, nibble half, input i -> block, group, t, half, channel, i
-    nibbles = q.reshape(blocks, LANES, groups, 4, 2, 4).permute(0, 2, 3, 4, 1, 5)
-    vectors = (nibbles[:, :, :, 0] | (nibbles[:, :, :, 1] << 4)).reshape(blocks, groups, 256)
+    values = q.reshape(blocks, LANES, groups, 4, 2, 4).permute(0, 2, 3, 4, 1, 5)
+    low = values & 0x0F
+    parts = [(low[:, :, :, 0] | (low[:, :, :, 1] << 4)).reshape(blocks, groups, 256)]
+    if (
+        bits == 6
+    ):  # vector m = 2t + half of the unpacked 8 keeps its top 2 bits in vector m // 4, bits 2(m % 4)
+        high = (values >> 4).reshape(blocks, groups, 2, 4, LANES, 4)
+        shifted = [high[:, :, :, j] << (2 * j) for j in range(4)]
+        parts.append((shifted[0] | shifted[1] | shifted[2] | shifted[3]).reshape(blocks, groups, 128))
 
     def per_block(values: torch.Tensor) -> torch.Tensor:
         by_group = values.reshape(blocks, LANES, groups).permute(0, 2, 1).contiguous()
         return by_group.view(torch.uint8).reshape(blocks, groups, 2 * LANES)
 
-    return torch.cat([vectors, per_block(scale), per_block(minimum)], dim=-1).contiguous()
+    return torch.cat([*parts, per_block(scale), per_block(minimum)], dim=-1).contiguous()
 
 
 def unpack(packed: torch.Tensor, out_features: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`pack`'s inverse: (q, scale, minimum) for the first `out_features` channels."""
-    blocks, groups, _ = packed.shape
+    """`pack`'s inverse (the bit width read from the block size): (q, scale, minimum) for the
+    first `out_features` channels."""
+    blocks, groups, size = packed.shape
     vectors = packed[..., :256].reshape(blocks, groups, 4, LANES, 4)
     halves = torch.stack([vectors & 0x0F, vectors >> 4], dim=3)  # block, group, t, half, channel, i
+    if size == block_bytes(6):
+        high = packed[..., 256:384].reshape(blocks, groups, 2, 1, LANES, 4)
+        fields = torch.cat([(high >> (2 * j)) & 3 for j in range(4)], dim=3)  # block, group, h, j, channel, i
+        halves = halves | (fields.reshape(blocks, groups, 4, 2, LANES, 4) << 4)
     q = halves.permute(0, 4, 1, 2, 3, 5).reshape(blocks * LANES, groups * GROUP)
+    scales = packed[..., size - SCALE_BYTES :]
 
     def per_channel(raw: torch.Tensor) -> torch.Tensor:
         values = raw.contiguous().view(torch.float16).reshape(blocks, groups, LANES)
         return values.permute(0, 2, 1).reshape(blocks * LANES, groups)
 
-    scale = per_channel(packed[..., 256 : 256 + 2 * LANES])
-    minimum = per_channel(packed[..., 256 + 2 * LANES :])
+    scale = per_channel(scales[..., : 2 * LANES])
+    minimum = per_channel(scales[..., 2 * LANES :])
     return (
         q[:out_features].contiguous(),
         scale[:out_features].contiguous(),
@@ -108,7 +130,7 @@ def fits(linear: nn.Linear) -> bool:
 
 
 class Int4Linear(nn.Module):
-    """A linear with 4-bit weights, run by `int4_cpu.c`; fp32 in, fp32 out."""
+    """A linear with 4-bit (or 6-bit) weights, run by `int4_cpu.c`; fp32 in, fp32 out."""
 
     bias: nn.Parameter | None
     packed: torch.Tensor
@@ -116,6 +138,7 @@ class Int4Linear(nn.Module):
     def __init__(self, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = out_features, packed.shape[1] * GROUP
+        self.bits = 6 if packed.shape[2] == block_bytes(6) else 4
         self.register_buffer("packed", packed.contiguous())
         self.bias = (
             None if bias is None else nn.Parameter(bias.detach().float().contiguous(), requires_grad=False)
@@ -123,8 +146,8 @@ class Int4Linear(nn.Module):
         library()  # refuse here, in one line, if the kernel cannot run
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> Int4Linear:
-        packed = pack(*quantize(linear.weight))
+    def from_linear(cls, linear: nn.Linear, bits: int = 4) -> Int4Linear:
+        packed = pack(*quantize(linear.weight, bits), bits=bits)
         return cls(packed, linear.out_features, linear.bias)
 
     @classmethod
@@ -133,7 +156,7 @@ class Int4Linear(nn.Module):
         (`fused_int8.fuse_rows` checks the input sizes and stacks the biases)."""
         pieces = [unpack(p.packed, p.out_features) for p in parts]
         q, scale, minimum = (torch.cat([piece[i] for piece in pieces]) for i in range(3))
-        return cls(pack(q, scale, minimum), sum(p.out_features for p in parts), bias)
+        return cls(pack(q, scale, minimum, parts[0].bits), sum(p.out_features for p in parts), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Called ~100 times a step: no work here that fp32, contiguous input does not need.
@@ -144,9 +167,10 @@ class Int4Linear(nn.Module):
         status = library().int4_linear(
             self.packed.data_ptr(), self.out_features, self.in_features, rows.data_ptr(), rows.shape[0],
             None if self.bias is None else self.bias.data_ptr(), y.data_ptr(), torch.get_num_threads(),
+            self.bits,
         )  # fmt: skip
         if status != 0:
-            raise MemoryError(f"out of memory in a 4-bit linear of {rows.shape[0]} rows")
+            raise MemoryError(f"out of memory in a {self.bits}-bit linear of {rows.shape[0]} rows")
         return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def dense_weight(self) -> torch.Tensor:
@@ -154,31 +178,35 @@ class Int4Linear(nn.Module):
         return dequantize(*unpack(self.packed, self.out_features))
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bits=4"
+        return f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}"
 
 
 def quantize_linears_int4(model: nn.Module) -> int:
-    """Every nn.Linear to 4 bits in place, but the LM head (int8) and any that does not fit
-    (int8 too); returns how many took 4 bits."""
+    """Every nn.Linear to 4 bits in place, but the LM head (6 bits) and any that does not fit
+    (int8); returns how many took 4 bits."""
     head = _output_head(model)
     four_bit = 0
     for name, linear in [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]:
-        if linear is not head and fits(linear):
+        if not fits(linear):
+            _replace(model, name, PerTokenInt8Linear(linear))
+        elif linear is head:
+            _replace(model, name, Int4Linear.from_linear(linear, HEAD_BITS))
+        else:
             _replace(model, name, Int4Linear.from_linear(linear))
             four_bit += 1
-        else:
-            _replace(model, name, PerTokenInt8Linear(linear))
     return four_bit
 
 
 def head_to_int4(model: nn.Module) -> bool:
-    """A draft's LM head to 4 bits too (from its int8 values); True if it changed.
+    """A draft's LM head to 4 bits too (from its 6-bit or int8 values); True if it changed.
 
     Only for drafts: the target verifies every token, so a draft's head may round more,
-    and at 4 bits the 0.5B draft's 151,936-row head is ~85 MB a step instead of ~136.
+    and at 4 bits the 0.5B draft's 151,936-row head is ~85 MB a step instead of ~119 (6 bits).
     """
     head = _output_head(model)
-    if not isinstance(head, PerTokenInt8Linear) or head.in_features % GROUP:
+    if isinstance(head, Int4Linear) and head.bits == 4:
+        return False
+    if not isinstance(head, (PerTokenInt8Linear, Int4Linear)) or head.in_features % GROUP:
         return False
     dense = nn.Linear(head.in_features, head.out_features, bias=head.bias is not None)
     dense.weight.data = head.dense_weight()

@@ -28,20 +28,25 @@ def _linear(out_features: int, in_features: int, seed: int = 0) -> torch.nn.Line
     return linear
 
 
-def test_packing_then_unpacking_gives_back_every_value() -> None:
+@pytest.mark.parametrize("bits", [4, 6])
+def test_packing_then_unpacking_gives_back_every_value(bits: int) -> None:
     out_features, in_features = 40, 96  # 40: a block of 16 channels is only half full
     generator = torch.Generator().manual_seed(1)
-    q = torch.randint(0, 16, (out_features, in_features), dtype=torch.uint8, generator=generator)
+    q = torch.randint(0, 2**bits, (out_features, in_features), dtype=torch.uint8, generator=generator)
     scale = torch.rand(out_features, in_features // GROUP, generator=generator).half()
     minimum = (-torch.rand(out_features, in_features // GROUP, generator=generator)).half()
-    unpacked = int4_cpu.unpack(int4_cpu.pack(q, scale, minimum), out_features)
+    packed = int4_cpu.pack(q, scale, minimum, bits)
+    assert packed.shape[-1] == int4_cpu.block_bytes(bits)
+    unpacked = int4_cpu.unpack(packed, out_features)
     for got, want in zip(unpacked, (q, scale, minimum), strict=True):
         assert torch.equal(got, want)
 
 
-def test_quantized_weights_are_within_half_a_step_of_the_originals() -> None:
+@pytest.mark.parametrize("bits", [4, 6])
+def test_quantized_weights_are_within_half_a_step_of_the_originals(bits: int) -> None:
     weight = _linear(48, 128).weight.detach()
-    q, scale, minimum = int4_cpu.quantize(weight)
+    q, scale, minimum = int4_cpu.quantize(weight, bits)
+    assert int(q.max()) == 2**bits - 1
     error = (int4_cpu.dequantize(q, scale, minimum) - weight).abs().reshape(48, -1, GROUP).amax(-1)
     # Half a step, plus what rounding the minimum to fp16 moves it by.
     assert bool((error <= 0.5 * scale.float() + minimum.float().abs() * 2**-10 + 1e-7).all())
@@ -53,8 +58,10 @@ def test_a_group_of_equal_weights_is_kept_exactly() -> None:
 
 
 @needs_kernel
-def test_the_kernel_multiplies_int8_activations_by_the_4_bit_weights() -> None:
-    linear = Int4Linear.from_linear(_linear(40, 96))
+@pytest.mark.parametrize("bits", [4, 6])
+def test_the_kernel_multiplies_int8_activations_by_the_low_bit_weights(bits: int) -> None:
+    linear = Int4Linear.from_linear(_linear(40, 96), bits)
+    assert linear.bits == bits
     x = torch.randn(5, 96, generator=torch.Generator().manual_seed(2))
     # The kernel's arithmetic in float64: per group of 32, x ~ a * xq with xq in -127..127.
     groups = x.reshape(5, -1, GROUP)
@@ -69,8 +76,9 @@ def test_the_kernel_multiplies_int8_activations_by_the_4_bit_weights() -> None:
 
 
 @needs_kernel
-def test_a_row_gets_the_same_numbers_in_any_batch_and_at_any_thread_count() -> None:
-    linear = Int4Linear.from_linear(_linear(72, 160, seed=3))
+@pytest.mark.parametrize("bits", [4, 6])
+def test_a_row_gets_the_same_numbers_in_any_batch_and_at_any_thread_count(bits: int) -> None:
+    linear = Int4Linear.from_linear(_linear(72, 160, seed=3), bits)
     x = torch.randn(19, 160, generator=torch.Generator().manual_seed(4))  # 19: two tiles of 8 and a rest
     threads = torch.get_num_threads()
     try:
@@ -96,11 +104,11 @@ def test_stacked_linears_compute_their_parts_side_by_side_exactly() -> None:
 
 
 @needs_kernel
-def test_the_head_and_linears_without_whole_groups_stay_int8(tokenizer) -> None:
+def test_the_head_takes_6_bits_and_linears_without_whole_groups_stay_int8(tokenizer) -> None:
     model = tiny_model(len(tokenizer), hidden=64)
     model.model.layers[0].mlp.down_proj = torch.nn.Linear(40, 64)  # 40 inputs: not whole groups of 32
     four_bit = quantize_linears_int4(model)
-    assert isinstance(model.lm_head, PerTokenInt8Linear)
+    assert isinstance(model.lm_head, Int4Linear) and model.lm_head.bits == 6
     assert isinstance(model.model.layers[0].mlp.down_proj, PerTokenInt8Linear)
     assert isinstance(model.model.layers[0].mlp.gate_proj, Int4Linear)
     assert four_bit == 2 * 7 - 1  # q, k, v, o, gate, up, down in 2 layers, less the odd one
@@ -140,7 +148,7 @@ def test_int4_on_a_gpu_is_refused_in_one_line() -> None:
 
 
 @needs_kernel
-def test_a_drafts_head_takes_4_bits_and_still_ranks_tokens_like_the_int8_head(tokenizer) -> None:
+def test_a_drafts_head_takes_4_bits_and_still_ranks_tokens_like_the_6_bit_head(tokenizer) -> None:
     model = tiny_model(len(tokenizer), hidden=64)
     quantize_linears_int4(model)
     ids = torch.randint(0, len(tokenizer), (1, 12), generator=torch.Generator().manual_seed(5))
@@ -148,7 +156,7 @@ def test_a_drafts_head_takes_4_bits_and_still_ranks_tokens_like_the_int8_head(to
         before = model(ids).logits
         assert int4_cpu.head_to_int4(model)
         after = model(ids).logits
-    assert isinstance(model.lm_head, Int4Linear)
+    assert isinstance(model.lm_head, Int4Linear) and model.lm_head.bits == 4
     assert not int4_cpu.head_to_int4(model)  # already 4-bit: nothing to do
     # 4 bits move the logits a little; the ranking of clear winners stays.
     assert (before.argmax(-1) == after.argmax(-1)).float().mean() >= 0.9
