@@ -2,8 +2,8 @@
  * row count.
  *
  * Weights: asymmetric, one fp16 scale and one fp16 minimum per 32 inputs of each output
- * channel (w = scale * q + min, q in 0..15, or 0..63 at 6 bits). Activations: symmetric int8, one scale per
- * 32 inputs of each row (a = max |x| / 127). A group's dot product is
+ * channel (w = scale * q + min, q in 0..15, or 0..63 at 6 bits). Activations: symmetric
+ * int8, one scale per 32 inputs of each row (a = max |x| / 127). A group's dot product is
  *
  *     a * (scale * sum(q * xq) + min * sum(xq))
  *
@@ -130,7 +130,8 @@ BLOCK_ROWS(6)
 #undef BLOCK_ROWS
 
 /* y [rows, n_out] = x [rows, k] times the packed weights of `bits` (4 or 6), plus bias [n_out]
- * unless it is NULL (one float add, as `y += bias` would); 0, or -1 when out of memory. */
+ * unless it is NULL (one float add, as `y += bias` would); 0, or -1 when out of memory (or
+ * `bits` is neither). */
 int int4_linear(const uint8_t *w, int64_t n_out, int64_t k, const float *x, int64_t rows,
                 const float *bias, float *y, int threads, int bits) {
     if (bits != 4 && bits != 6) return -1;

@@ -128,7 +128,7 @@ def load_draft(
     if draft.device == "cpu" and draft.precision == "int8" and speed_up_draft(draft.model):
         draft = replace(draft, precision="int8/int4")  # 4-bit draft steps: the target still verifies
     if draft.device == "cpu" and draft.precision == "int4":
-        head_to_int4(draft.model)  # the target's head stays int8; a draft's may round more
+        head_to_int4(draft.model)  # the target's head keeps 6 bits; a draft's may round more
     return make_drafter(spec, target, draft), draft
 
 
