@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from specdec_core import attention_cpu, native
+from specdec_core.batch_invariant import rowwise_attention
 from specdec_core.native import KernelUnavailable
 
 needs_kernel = pytest.mark.skipif(native.unavailable() is not None, reason=str(native.unavailable()))
@@ -18,24 +18,6 @@ def _attention_inputs(heads: int, kv_heads: int, dim: int, keys: int, rows: int,
     query = torch.randn(1, heads, rows, dim, generator=generator)
     key, value = (torch.randn(1, kv_heads, keys, dim, generator=generator) for _ in range(2))
     return query, key, value
-
-
-def _sdpa_row_by_row(query, key, value, scaling, window):
-    rows, keys = query.shape[2], key.shape[2]
-    out = []
-    for i in range(rows):
-        end = keys - rows + i + 1
-        start = max(0, end - window) if window else 0
-        out.append(
-            F.scaled_dot_product_attention(
-                query[:, :, i : i + 1],
-                key[:, :, start:end],
-                value[:, :, start:end],
-                scale=scaling,
-                enable_gqa=query.shape[1] > key.shape[1],
-            )
-        )
-    return torch.cat(out, dim=2).transpose(1, 2)
 
 
 @needs_kernel
@@ -49,11 +31,12 @@ def _sdpa_row_by_row(query, key, value, scaling, window):
     ],
 )
 def test_native_attention_computes_what_sdpa_computes_row_by_row(
-    heads, kv_heads, dim, keys, rows, scaling, window
+    monkeypatch, heads, kv_heads, dim, keys, rows, scaling, window
 ):
     query, key, value = _attention_inputs(heads, kv_heads, dim, keys, rows)
     out = attention_cpu.attend(query, key, value, scaling, window)
-    expected = _sdpa_row_by_row(query, key, value, scaling, window)
+    monkeypatch.setattr(attention_cpu, "attend", lambda *args: None)  # row-wise attention's SDPA path
+    expected, _ = rowwise_attention(None, query, key, value, None, scaling=scaling, sliding_window=window)
     torch.testing.assert_close(out, expected, rtol=0, atol=2e-6)
 
 
