@@ -7,8 +7,10 @@
  * and a prefill give each token the numbers a one-token step gives it
  * (attention_cpu.py). One call per layer replaces a call per row.
  *
- * Layouts (fp32, contiguous): query [heads, rows, dim], key and value [kv_heads, keys, dim],
- * out [rows, heads, dim]. Query head h reads key/value head h / (heads / kv_heads).
+ * Layouts (fp32): query [heads, rows, dim], key and value [kv_heads, keys, dim] with
+ * kv_stride floats from one head to the next (keys * dim when contiguous, more when they
+ * sit in a buffer with room to grow), out [rows, heads, dim]. Query head h reads key/value
+ * head h / (heads / kv_heads).
  * dim is a multiple of 16 and at most 16 * MAX_CHUNKS.
  */
 #include <immintrin.h>
@@ -16,24 +18,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#define MAX_CHUNKS 32
+#include "simd_math.h"
 
-/* e^x in each lane, x <= 0 (Cephes' expf polynomial, ~2 ulp); below -87 it is ~0. */
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
-}
+#define MAX_CHUNKS 32
 
 static inline float dot(const float *a, const float *b, int64_t chunks) {
     __m512 acc = _mm512_setzero_ps();
@@ -73,9 +60,11 @@ static void attend_row(const float *q, const float *k, const float *v, int64_t n
 /* Row r is the token at keys - rows + r: it sees keys up to and including that one, the last
  * `window` of them when window > 0. 0, or -1 when out of memory or the shapes do not fit. */
 int causal_attention(const float *query, const float *key, const float *value, float *out,
-                     int64_t rows, int64_t keys, int64_t heads, int64_t kv_heads, int64_t dim,
-                     float scale, int64_t window, int threads) {
-    if (dim % 16 || dim > 16 * MAX_CHUNKS || kv_heads <= 0 || heads % kv_heads || rows > keys) return -1;
+                     int64_t rows, int64_t keys, int64_t kv_stride, int64_t heads, int64_t kv_heads,
+                     int64_t dim, float scale, int64_t window, int threads) {
+    if (dim % 16 || dim > 16 * MAX_CHUNKS || kv_heads <= 0 || heads % kv_heads || rows > keys ||
+        kv_stride < keys * dim)
+        return -1;
     int64_t group = heads / kv_heads;
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
@@ -88,8 +77,8 @@ int causal_attention(const float *query, const float *key, const float *value, f
             int64_t r = task / heads, h = task % heads, kv = h / group;
             int64_t end = keys - rows + r + 1;
             int64_t start = window > 0 && end > window ? end - window : 0;
-            attend_row(query + (h * rows + r) * dim, key + (kv * keys + start) * dim,
-                       value + (kv * keys + start) * dim, end - start, dim, scale, scores,
+            attend_row(query + (h * rows + r) * dim, key + kv * kv_stride + start * dim,
+                       value + kv * kv_stride + start * dim, end - start, dim, scale, scores,
                        out + (r * heads + h) * dim);
         }
         free(scores);

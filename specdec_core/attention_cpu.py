@@ -34,7 +34,7 @@ def attend(
     query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
     out = torch.empty(1, rows, heads, dim)
     status = native.library().causal_attention(
-        query.data_ptr(), key.data_ptr(), value.data_ptr(), out.data_ptr(), rows, keys, heads,
+        query.data_ptr(), key.data_ptr(), value.data_ptr(), out.data_ptr(), rows, keys, keys * dim, heads,
         kv_heads, dim, scaling if scaling is not None else dim**-0.5, window or 0, torch.get_num_threads(),
     )  # fmt: skip
     if status != 0:

@@ -86,17 +86,24 @@ static inline __attribute__((always_inline)) void block_tile(
         const uint8_t *scales = blk + block_bytes - SCALE_BYTES;
         __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)scales));
         __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + 32)));
-        __m512i dot[TILE];
-        for (int r = 0; r < rows; r++) dot[r] = _mm512_setzero_si512();
-        /* Rows innermost: independent chains for the out-of-order core. */
+        /* Rows innermost: independent chains for the out-of-order core. With few rows one
+         * chain of 8 dependent vpdpbusd per group would bound a core to ~20 GB/s, so each
+         * row's sum is split over `chains` accumulators; integer addition is exact, so the
+         * sum is the same number either way. */
+        const int chains = rows == 1 ? 4 : rows <= 3 ? 2 : 1;
+        __m512i dot[TILE * 4];
+        for (int i = 0; i < rows * chains; i++) dot[i] = _mm512_setzero_si512();
         for (int c = 0; c < 8; c++) {
             for (int r = 0; r < rows; r++) {
                 const int32_t *xq = (const int32_t *)(q + r * k + g * GROUP);
-                dot[r] = _mm512_dpbusd_epi32(dot[r], wv[c], _mm512_set1_epi32(xq[c]));
+                __m512i *d = &dot[r * chains + c % chains];
+                *d = _mm512_dpbusd_epi32(*d, wv[c], _mm512_set1_epi32(xq[c]));
             }
         }
         for (int r = 0; r < rows; r++) {
-            __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(dot[r]), s);
+            __m512i sum = dot[r * chains];
+            for (int j = 1; j < chains; j++) sum = _mm512_add_epi32(sum, dot[r * chains + j]);
+            __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(sum), s);
             acc[r] = _mm512_fmadd_ps(f, _mm512_set1_ps(scale[r * groups + g]), acc[r]);
             acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(scaled_sum[r * groups + g]), acc[r]);
         }

@@ -24,6 +24,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
+from . import layers_cpu
+from .buffer_cache import BufferLayer
 from .errors import NumericalError
 
 # Tests turn this on (tests/conftest.py): every forward then checks that each cache
@@ -67,12 +69,15 @@ class RollbackSlidingWindowLayer(DynamicSlidingWindowLayer):
         self.cumulative_length = self.keys.shape[-2]
 
 
-def new_cache(config: Any) -> DynamicCache:
-    """transformers' per-layer cache for `config`, with sliding layers that can roll back."""
+def new_cache(config: Any, buffered: bool = False) -> DynamicCache:
+    """transformers' per-layer cache for `config`, with sliding layers that can roll back, and
+    full-attention layers written in place when `buffered` (models with one-call layers)."""
     cache = DynamicCache(config=config)
     for i, layer in enumerate(cache.layers):
         if type(layer) is DynamicSlidingWindowLayer:
             cache.layers[i] = RollbackSlidingWindowLayer(sliding_window=layer.sliding_window)
+        elif type(layer) is DynamicLayer and buffered:
+            cache.layers[i] = BufferLayer()
     return cache
 
 
@@ -88,7 +93,8 @@ def layer_lengths(cache: DynamicCache) -> list[int]:
 class CachedModel:
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
-        self.cache = new_cache(model.config)
+        self.buffered = layers_cpu.writes_cache_in_place(model)
+        self.cache = new_cache(model.config, self.buffered)
         self.ids: list[int] = []
         self.forwards = 0
 
@@ -97,7 +103,7 @@ class CachedModel:
         return next(self.model.parameters()).device
 
     def reset(self) -> None:
-        self.cache = new_cache(self.model.config)
+        self.cache = new_cache(self.model.config, self.buffered)
         self.ids = []
 
     def crop(self, length: int) -> None:

@@ -15,12 +15,20 @@ a verify, a prefill and a one-token step still agree bitwise (tests/test_layers_
 The rotary embedding computes exactly transformers' operations; the norm sums its
 squares in its own order, so its last bits can differ from transformers' norm.
 
+Where all four linears are 4/6-bit ones (int4_cpu) the layer goes further: one C call
+(`decoder_layer`) runs the whole layer, writing its keys and values straight into the
+cache's buffers (kvcache.BufferLayer), so a step pays no Python, no allocations and no
+cache copy per layer. It computes exactly what the forward below computes, step for step
+(tests/test_layers_cpu.py checks it bitwise), so a model gives the same numbers whichever
+cache it runs with: transformers' generate with its own cache takes the forward below.
+
 It is installed where the linears are this project's int8 or int4 ones (the CPU
 precisions); a layer of any other shape keeps transformers' forward.
 """
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any
 
 import torch
@@ -28,7 +36,9 @@ from torch import nn
 
 from . import attention_cpu, native
 from .batch_invariant import NAME as ROWWISE
-from .fused_int8 import FusedGateUpMLP
+from .buffer_cache import BufferLayer
+from .fused_int8 import FusedGateUpMLP, FusedProjection
+from .int4_cpu import Int4Linear
 
 _PLAIN_LAYERS = {"LlamaDecoderLayer", "Qwen2DecoderLayer", "MistralDecoderLayer"}
 _PLAIN_NORMS = {"LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm"}
@@ -49,8 +59,14 @@ def speed_up_layers(model: Any) -> int:
             classes.setdefault(cls, type(f"Fast{cls.__name__}", (FastLayer, cls), {}))
             module.__class__ = classes[cls]
             module.fast_window = _window(module.self_attn)
+            module.one_call = _one_call_weights(module)
             count += 1
     return count
+
+
+def writes_cache_in_place(model: Any) -> bool:
+    """Whether the model's layers run in one call, so its cache should be kvcache.BufferLayers."""
+    return any(getattr(module, "one_call", None) is not None for module in model.modules())
 
 
 def _window(attention: nn.Module) -> int | None:
@@ -93,6 +109,57 @@ def _layer_fits(layer: Any) -> bool:
     )
 
 
+class _Linear(ctypes.Structure):
+    """layers_cpu.c's linear_weights: a 4/6-bit linear as int4_linear takes it."""
+
+    _fields_ = [
+        ("packed", ctypes.c_void_p), ("bias", ctypes.c_void_p),
+        ("n_out", ctypes.c_int64), ("k", ctypes.c_int64), ("bits", ctypes.c_int64),
+    ]  # fmt: skip
+
+
+class _LayerWeights(ctypes.Structure):
+    """layers_cpu.c's layer_weights. It points into the layer's tensors, which stay as loaded."""
+
+    _fields_ = [
+        ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
+        ("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
+        ("input_eps", ctypes.c_float), ("post_eps", ctypes.c_float),
+        ("scaling", ctypes.c_float), ("unused", ctypes.c_float),
+        ("hidden", ctypes.c_int64), ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
+        ("head_dim", ctypes.c_int64), ("intermediate", ctypes.c_int64), ("window", ctypes.c_int64),
+    ]  # fmt: skip
+
+
+def _one_call_weights(layer: Any) -> _LayerWeights | None:
+    """The C description of a layer whose linears are all 4/6-bit, q/k/v fused in that order; else None."""
+    attention, mlp = layer.self_attn, layer.mlp
+    parts = [attention.q_proj, attention.k_proj, attention.v_proj]
+    if not all(isinstance(p, FusedProjection) and p.shared is parts[0].shared for p in parts):
+        return None
+    qkv = parts[0].shared.linear
+    dim = attention.head_dim
+    heads, kv_heads = parts[0].out_features // dim, parts[1].out_features // dim
+    linears = (qkv, attention.o_proj, mlp.gate_up, mlp.down_proj)
+    if not all(isinstance(linear, Int4Linear) for linear in linears) or [p.start for p in parts] != [
+        0, heads * dim, (heads + kv_heads) * dim,
+    ]:  # fmt: skip
+        return None
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    return _LayerWeights(
+        *(_c_linear(linear) for linear in linears),
+        norms[0].weight.data_ptr(), norms[1].weight.data_ptr(),
+        norms[0].variance_epsilon, norms[1].variance_epsilon,
+        attention.scaling if attention.scaling is not None else dim**-0.5, 0.0,
+        qkv.in_features, heads, kv_heads, dim, mlp.intermediate, layer.fast_window or 0,
+    )  # fmt: skip
+
+
+def _c_linear(linear: Int4Linear) -> _Linear:
+    bias = None if linear.bias is None else linear.bias.data_ptr()
+    return _Linear(linear.packed.data_ptr(), bias, linear.out_features, linear.in_features, linear.bits)
+
+
 class FastLayer:
     """Mixin for a decoder layer: its forward in fewer calls (see the module docstring)."""
 
@@ -117,6 +184,9 @@ class FastLayer:
         attention = layer.self_attn
         cos, sin = position_embeddings
         rows, head_dim = hidden_states.shape[1], attention.head_dim
+        layer_cache = cache.layers[attention.layer_idx] if cache is not None else None
+        if layer.one_call is not None and isinstance(layer_cache, BufferLayer):
+            return _one_call(layer, hidden_states, cos, sin, layer_cache)
         normed = rms_norm(hidden_states, layer.input_layernorm)
         query = rotary(attention.q_proj(normed), cos, sin, head_dim)
         key = rotary(attention.k_proj(normed), cos, sin, head_dim)
@@ -126,7 +196,28 @@ class FastLayer:
         attended = attention_cpu.attend(query, key, value, attention.scaling, layer.fast_window)
         assert attended is not None  # _model_fits and _layer_fits checked what attend needs
         hidden_states = hidden_states + attention.o_proj(attended.view(1, rows, -1))
-        return hidden_states + layer.mlp(rms_norm(hidden_states, layer.post_attention_layernorm))
+        mlp = layer.mlp
+        gate_up = mlp.gate_up(rms_norm(hidden_states, layer.post_attention_layernorm))
+        return hidden_states + mlp.down_proj(silu_mul(gate_up, mlp.intermediate))
+
+
+def _one_call(
+    layer: Any, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer_cache: BufferLayer
+) -> torch.Tensor:
+    """The layer as one C call; its keys and values go straight into the cache's buffers."""
+    weights: _LayerWeights = layer.one_call
+    rows, dim = hidden_states.shape[1], weights.head_dim
+    keys, values, past = layer_cache.reserve(rows, weights.kv_heads, dim)
+    out = hidden_states.float().clone(memory_format=torch.contiguous_format)  # updated in place
+    cos, sin = cos.reshape(rows, dim).contiguous(), sin.reshape(rows, dim).contiguous()
+    status = native.library().decoder_layer(
+        ctypes.byref(weights), out.data_ptr(), rows, cos.data_ptr(), sin.data_ptr(),
+        keys.data_ptr(), values.data_ptr(), keys.shape[2], past, torch.get_num_threads(),
+    )  # fmt: skip
+    if status != 0:
+        raise MemoryError(f"out of memory in a decoder layer of {rows} rows over {past + rows} positions")
+    layer_cache.commit(rows)
+    return out
 
 
 def rms_norm(x: torch.Tensor, norm: Any) -> torch.Tensor:
@@ -149,6 +240,16 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int)
     cos, sin = cos.reshape(rows, head_dim).contiguous(), sin.reshape(rows, head_dim).contiguous()
     out = torch.empty(1, heads, rows, head_dim)
     native.library().rotary(
-        x.data_ptr(), x.stride(1), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), rows, heads, head_dim
-    )
+        x.data_ptr(), x.stride(1), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), rows * head_dim, rows,
+        heads, head_dim,
+    )  # fmt: skip
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
+    """silu(gate) * up from gate_up [..., 2 * intermediate] (gate first), fp32, in C (layers_cpu.c)."""
+    gate_up = gate_up.float().contiguous()
+    out = torch.empty(*gate_up.shape[:-1], intermediate)
+    rows = gate_up.numel() // (2 * intermediate)
+    native.library().silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, intermediate)
     return out

@@ -28,6 +28,7 @@ from pathlib import Path
 from .cache import kernels_dir
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("int4_cpu.c", "attention_cpu.c", "layers_cpu.c"))
+HEADERS = (Path(__file__).with_name("simd_math.h"),)
 # -ffp-contract=off: a multiply then an add round twice, as torch's separate ops do.
 FLAGS = (
     "-O3",
@@ -76,12 +77,16 @@ def _load() -> ctypes.CDLL | KernelUnavailable:
     pointer, size, c_int, c_float = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     lib.int4_linear.argtypes = [pointer, size, size, pointer, size, pointer, pointer, c_int, c_int]
     lib.int4_linear.restype = c_int
-    lib.causal_attention.argtypes = [pointer] * 4 + [size] * 5 + [c_float, size, c_int]
+    lib.causal_attention.argtypes = [pointer] * 4 + [size] * 6 + [c_float, size, c_int]
     lib.causal_attention.restype = c_int
     lib.rms_norm.argtypes = [pointer, pointer, pointer, size, size, c_float]
     lib.rms_norm.restype = None
-    lib.rotary.argtypes = [pointer, size, pointer, pointer, pointer, size, size, size]
+    lib.rotary.argtypes = [pointer, size, pointer, pointer, pointer, size, size, size, size]
     lib.rotary.restype = None
+    lib.silu_mul.argtypes = [pointer, pointer, size, size]
+    lib.silu_mul.restype = None
+    lib.decoder_layer.argtypes = [pointer, pointer, size, pointer, pointer, pointer, pointer, size, size, c_int]
+    lib.decoder_layer.restype = c_int
     return lib
 
 
@@ -117,7 +122,7 @@ def _build() -> Path:
             f"int4 compiles a small kernel and found no C compiler (cc, gcc); {_INT4_ADVICE}"
         )
     try:
-        text = b"".join(source.read_bytes() for source in SOURCES)
+        text = b"".join(source.read_bytes() for source in (*SOURCES, *HEADERS))
         key = hashlib.sha256(text + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
         built = kernels_dir() / f"native-{key}.so"
         if built.exists():

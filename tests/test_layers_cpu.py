@@ -16,7 +16,15 @@ from specdec_core import native
 from specdec_core.batch_invariant import make_batch_invariant
 from specdec_core.fused_int8 import fuse_int8_projections
 from specdec_core.int4_cpu import quantize_linears_int4
-from specdec_core.layers_cpu import FastLayer, rms_norm, rotary, speed_up_layers
+from specdec_core.kvcache import new_cache
+from specdec_core.layers_cpu import (
+    FastLayer,
+    rms_norm,
+    rotary,
+    silu_mul,
+    speed_up_layers,
+    writes_cache_in_place,
+)
 from specdec_core.quant_cpu import int8_available, quantize_linears_int8
 
 pytestmark = pytest.mark.skipif(native.unavailable() is not None, reason=str(native.unavailable()))
@@ -34,8 +42,8 @@ def loaded(model, precision: str):
 
 
 @torch.inference_mode()
-def logits_in_groups(model, ids: torch.Tensor, bounds: list[int]) -> torch.Tensor:
-    cache = DynamicCache(config=model.config)
+def logits_in_groups(model, ids: torch.Tensor, bounds: list[int], cache=None) -> torch.Tensor:
+    cache = cache if cache is not None else DynamicCache(config=model.config)
     return torch.cat([model(ids[:, s:e], cache=cache).logits[0] for s, e in itertools.pairwise(bounds)])
 
 
@@ -43,31 +51,77 @@ def _ids(tokenizer, n: int) -> torch.Tensor:
     return torch.randint(0, len(tokenizer), (1, n), generator=torch.Generator().manual_seed(0))
 
 
-def with_our_norms(model):
-    """transformers' layers, their RMSNorms computed by layers_cpu.rms_norm."""
+def with_our_norms_and_silu(model):
+    """transformers' layers, their RMSNorms computed by layers_cpu.rms_norm and their MLP's
+    silu(gate) * up by layers_cpu.silu_mul."""
     for layer in model.model.layers:
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
             norm.forward = lambda x, norm=norm: rms_norm(x, norm)
+        mlp = layer.mlp
+        mlp.forward = lambda x, mlp=mlp: mlp.down_proj(silu_mul(mlp.gate_up(x), mlp.intermediate))
     return model
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("arch", PLAIN)
-def test_fast_layers_compute_bitwise_what_transformers_layers_compute_with_the_same_norm(
+def test_fast_layers_compute_bitwise_what_transformers_layers_compute_with_the_same_norm_and_silu(
     tokenizer, arch, precision
 ):
     """Attention, window, cache, rotary embedding, MLP and residuals wired as transformers wires them.
 
-    Only the norm's order of summation differs from transformers' own layer, and int8
-    activations can turn that last-bit difference into a whole quantization step, so the
-    comparison is with transformers' layer computing the same norm."""
-    reference = with_our_norms(loaded(arch_model(arch, len(tokenizer)), precision))
+    Only the norm's order of summation and silu's exponential differ from transformers' own
+    layer, and int8 activations can turn such a last-bit difference into a whole
+    quantization step, so the comparison is with transformers' layer computing the same
+    norm and silu (each checked against torch's own below)."""
+    reference = with_our_norms_and_silu(loaded(arch_model(arch, len(tokenizer)), precision))
     fast = loaded(arch_model(arch, len(tokenizer)), precision)
     assert speed_up_layers(fast) == fast.config.num_hidden_layers
     n = 3 * WINDOW  # past the window of the sliding families
     ids = _ids(tokenizer, n)
     for bounds in ([0, n], [0, 20, 21, 26, 27, n]):
         assert torch.equal(logits_in_groups(fast, ids, bounds), logits_in_groups(reference, ids, bounds))
+
+
+@pytest.mark.parametrize("arch", PLAIN)
+def test_one_call_layers_compute_bitwise_what_the_fast_forward_computes(tokenizer, arch):
+    """4-bit layers over a cache written in place (one C call each) against the same layers
+    over transformers' cache (the Python forward), past the buffer's first growth and
+    across a rollback, as speculative decoding crops and refills."""
+    model = loaded(arch_model(arch, len(tokenizer)), "int4")
+    speed_up_layers(model)
+    assert writes_cache_in_place(model)
+    n = 300  # past the buffer's first 256 positions
+    ids = _ids(tokenizer, n)
+    buffered = new_cache(model.config, buffered=True)
+    expected = logits_in_groups(model, ids, [0, 250, 251, 259, n])
+    assert torch.equal(logits_in_groups(model, ids, [0, 250, 251, 259, n], buffered), expected)
+    buffered.crop(-40)  # roll back 40 positions, then feed others over them
+    other = _ids(tokenizer, 40).roll(1)
+    reference = DynamicCache(config=model.config)
+    logits_in_groups(model, ids[:, : n - 40], [0, n - 40], reference)
+    assert torch.equal(
+        logits_in_groups(model, other, [0, 9, 10, 40], buffered),
+        logits_in_groups(model, other, [0, 9, 10, 40], reference),
+    )
+
+
+def test_only_4_bit_layers_write_the_cache_in_place(tokenizer):
+    four_bit = loaded(arch_model("qwen2", len(tokenizer)), "int4")
+    speed_up_layers(four_bit)
+    assert writes_cache_in_place(four_bit)
+    if int8_available():
+        eight_bit = loaded(arch_model("qwen2", len(tokenizer)), "int8")
+        speed_up_layers(eight_bit)
+        assert not writes_cache_in_place(eight_bit)
+
+
+def test_silu_mul_is_torchs_silu_times_up_up_to_rounding():
+    generator = torch.Generator().manual_seed(4)
+    for width in (16, 37):  # whole vectors and a tail
+        gate_up = torch.randn(3, 2 * width, generator=generator) * 30  # far into both tails
+        gate_up[0, :4] = torch.tensor([0.0, -0.0, 1e-30, -200.0])
+        expected = torch.nn.functional.silu(gate_up[:, :width]) * gate_up[:, width:]
+        torch.testing.assert_close(silu_mul(gate_up, width), expected, rtol=2e-6, atol=1e-30)
 
 
 def test_the_norm_is_transformers_rmsnorm_up_to_rounding(tokenizer):
