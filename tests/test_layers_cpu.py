@@ -12,11 +12,11 @@ from archs import WINDOW, arch_model
 from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from specdec_core import native
+from specdec_core import layers_cpu, native
 from specdec_core.batch_invariant import make_batch_invariant
 from specdec_core.fused_int8 import fuse_int8_projections
 from specdec_core.int4_cpu import quantize_linears_int4
-from specdec_core.kvcache import new_cache
+from specdec_core.kvcache import CachedModel, new_cache
 from specdec_core.layers_cpu import (
     FastLayer,
     rms_norm,
@@ -169,3 +169,27 @@ def test_unfused_or_full_precision_layers_keep_transformers_forward(tokenizer):
     model = arch_model("qwen2", len(tokenizer))
     make_batch_invariant(model)  # fp32: transformers' own linears, not fused
     assert speed_up_layers(model) == 0
+
+
+def test_a_one_call_layer_out_of_memory_raises_and_the_cache_starts_over(tokenizer, monkeypatch):
+    """A layer that fails half-way has written keys past the held positions; the runner drops
+    the cache, so the next forward re-feeds the sequence and gives the same logits."""
+    model = loaded(arch_model("qwen2", len(tokenizer)), "int4")
+    speed_up_layers(model)
+    runner = CachedModel(model)
+    ids = _ids(tokenizer, 12)[0].tolist()
+    expected = runner.forward(ids, 1)
+    runner.crop(8)
+
+    real = native.library()
+
+    class Failing:
+        def __getattr__(self, name):
+            return (lambda *args: -1) if name == "decoder_layer" else getattr(real, name)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(layers_cpu.native, "library", Failing)
+        with pytest.raises(MemoryError, match="out of memory in a decoder layer"):
+            runner.forward(ids[8:], 1)
+    assert runner.ids == []  # started over
+    assert torch.equal(runner.forward(ids, 1), expected)
