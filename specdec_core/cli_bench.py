@@ -35,6 +35,7 @@ from .bench import (
 )
 from .cli import add_model_options, parse_draft_length
 from .errors import SpecdecError
+from .huge_pages import granted_bytes
 from .progress import Progress, TerminalProgress
 from .threads import default_governor
 
@@ -168,6 +169,7 @@ def _run_config(
         "precision": target.precision,
         "draft_precision": draft.precision if draft is not None else None,  # "int8/int4": 4-bit draft steps
         "int8_kernel": _int8_kernel(target.device, target.precision),
+        "huge_page_bytes": granted_bytes(),  # the process's memory in 2 MB pages (huge_pages)
         "max_new_tokens": settings.max_new_tokens,
         "repeats": settings.repeats,
         "warmup_tokens": settings.warmup_tokens,

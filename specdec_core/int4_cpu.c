@@ -25,9 +25,11 @@
 #define GROUP 32
 #define LANES 16
 #define TILE 8 /* rows multiplied per pass over a block's weights */
-/* Groups ahead to prefetch: measured on the 1.5B's layers, 1 row, 2 threads: none 51 ms,
- * 4 ahead 46, 8 ahead 40, 16 ahead 39 (24 and 32 no better). */
-#define PREFETCH 16
+/* Groups ahead to prefetch, measured on the 1.5B's layers, 1 row, 2 threads: on an AMD EPYC
+ * (4 KB pages) none 51 ms, 4 ahead 46, 8 ahead 40, 16 ahead 39; on an Intel Xeon with the
+ * weights in 2 MB pages (huge_pages.py) none 38-40 ms, 4 ahead 32-34, 8 ahead 33, 16 ahead
+ * 47-48: too far ahead, prefetches evict lines before they are read. */
+#define PREFETCH 8
 #define SCALE_BYTES (2 * LANES * 2)
 #define BLOCK_BYTES(bits) (4 * 64 + ((bits) == 6 ? 2 * 64 : 0) + SCALE_BYTES)
 

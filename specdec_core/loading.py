@@ -35,6 +35,7 @@ from . import int4_cpu, native
 from .batch_invariant import make_batch_invariant
 from .errors import ModelLoadError, OutOfMemory
 from .fused_int8 import apply_fusion
+from .huge_pages import place_in_huge_pages
 from .layers_cpu import speed_up_layers
 from .progress import Progress, ProgressCallback, check_cancelled
 from .quant_cpu import int8_available, quantize_linears_int8
@@ -266,19 +267,25 @@ def _load_weights(
             raise
         raise mapped from exc
     _check_loading_info(info, ref)
-    if precision in ("int8", "int4") and device == "cpu":
+    if device == "cpu":
+        prepare_for_cpu(model, precision)
+    return model.eval()
+
+
+def prepare_for_cpu(model: Any, precision: str) -> None:
+    """What loading makes of a model on the CPU, in place, after its weights are read."""
+    if precision in ("int8", "int4"):
         if precision == "int4":
             int4_cpu.quantize_linears_int4(model)
         else:
             quantize_linears_int8(model)
         apply_fusion(model)  # q/k/v and gate/up as one linear each: bitwise the same logits
-    if device == "cpu":
-        # At every precision: a verify and plain decoding give bitwise-equal logits
-        # (batch_invariant; measured at load by the self-check).
-        make_batch_invariant(model)
-        if precision in ("int8", "int4"):
-            speed_up_layers(model)  # norms and rotary embedding in C: fewer calls a layer
-    return model.eval()
+        place_in_huge_pages(model.modules())  # streamed faster; before the fast layers note addresses
+    # At every precision: a verify and plain decoding give bitwise-equal logits
+    # (batch_invariant; measured at load by the self-check).
+    make_batch_invariant(model)
+    if precision in ("int8", "int4"):
+        speed_up_layers(model)  # norms and rotary embedding in C: fewer calls a layer
 
 
 def _oom_hint(device: str, precision: str) -> str:

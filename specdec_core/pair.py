@@ -26,6 +26,7 @@ from .drafters import (
 )
 from .engine import SpeculativeEngine
 from .errors import IncompatibleDraftError, InvalidParameter
+from .huge_pages import place_in_huge_pages
 from .int4_cpu import head_to_int4
 from .loading import LoadedModel, load_model, resolve_path
 from .progress import ProgressCallback
@@ -127,8 +128,9 @@ def load_draft(
     )
     if draft.device == "cpu" and draft.precision == "int8" and speed_up_draft(draft.model):
         draft = replace(draft, precision="int8/int4")  # 4-bit draft steps: the target still verifies
-    if draft.device == "cpu" and draft.precision == "int4":
-        head_to_int4(draft.model)  # the target's head keeps 6 bits; a draft's may round more
+    if draft.device == "cpu" and draft.precision == "int4" and head_to_int4(draft.model):
+        # The target's head keeps 6 bits; a draft's may round more. Its new weights go where the rest are.
+        place_in_huge_pages([draft.model.get_output_embeddings()])
     return make_drafter(spec, target, draft), draft
 
 

@@ -16,13 +16,11 @@ from archs import ARCHS, arch_model
 from tiny import hf_greedy, perturbed
 
 from specdec_core import native
-from specdec_core.batch_invariant import make_batch_invariant
 from specdec_core.drafters import LookupThenModelDrafter, ModelDrafter, NgramDrafter, NoDrafter
 from specdec_core.engine import GenerationParams, SpeculativeEngine
-from specdec_core.fused_int8 import fuse_int8_projections
-from specdec_core.int4_cpu import quantize_linears_int4
-from specdec_core.layers_cpu import speed_up_layers
-from specdec_core.quant_cpu import int8_available, quantize_linears_int8
+from specdec_core.int4_cpu import Int4Linear
+from specdec_core.loading import prepare_for_cpu
+from specdec_core.quant_cpu import int8_available
 
 PRECISIONS = [
     "fp32",
@@ -39,15 +37,9 @@ def at_precision(model, precision: str):
     model = copy.deepcopy(model)
     if precision == "bf16":
         model = model.to(torch.bfloat16)
-    if precision == "int8":
-        quantize_linears_int8(model)
+    prepare_for_cpu(model, precision)  # at int4/int8: the plain Llama-shaped families' layers in C
     if precision == "int4":
-        assert quantize_linears_int4(model) > 0
-    if precision in ("int8", "int4"):
-        fuse_int8_projections(model)
-    make_batch_invariant(model)
-    if precision in ("int8", "int4"):
-        speed_up_layers(model)  # the plain Llama-shaped families: norms and rotary in C
+        assert any(isinstance(m, Int4Linear) for m in model.modules())
     return model
 
 
