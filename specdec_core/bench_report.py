@@ -257,11 +257,16 @@ def cost_curve_markdown(curve: CostCurve) -> str:
 
 
 def roofline_markdown(
-    curve: CostCurve, models: dict[str, StepBytes], bandwidth: float | None, limit: float | None = None
+    curve: CostCurve,
+    models: dict[str, StepBytes],
+    bandwidth: float | None,
+    limit: float | None = None,
+    one_core: float | None = None,
 ) -> str:
     """Bytes one decoding step reads, the speed achieved, and the share of the memory's limit.
 
-    `limit` (bytes/s) defaults to the measured streaming bandwidth.
+    `limit` (bytes/s) defaults to the measured streaming bandwidth; `one_core` is the same
+    read by one thread, what a process left one core by a busy neighbour can stream.
     """
     limit = limit or bandwidth
     seconds = {"target": curve.target_min.get(1), "draft": curve.draft_min}
@@ -287,10 +292,12 @@ def roofline_markdown(
     )  # fmt: skip
     context = next(iter(models.values())).context_tokens if models else 0
     measured = (
-        f"{bandwidth / 1e9:.1f} GB/s measured (streaming sum of 256 MiB, best of 5)"
+        f"{bandwidth / 1e9:.1f} GB/s measured (streaming sum of 256 MiB in 2 MB pages where granted, best of 5)"
         if bandwidth
         else "not measured"
     )
+    if bandwidth and one_core:
+        measured += f"; one thread streams {one_core / 1e9:.1f} GB/s ({one_core / bandwidth:.0%})"
     lines.append(f"\n(limit: {measured}; KV cache at {context} cached tokens)")
     return "\n".join(lines) + "\n"
 

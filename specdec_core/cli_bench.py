@@ -232,6 +232,7 @@ def _cost_curve(target: Any, draft: Any, machine: dict[str, Any], args: argparse
     print("specdec bench: timing forwards…", file=sys.stderr)
     curve = measure_cost_curve(target.model, draft.model if draft else None)
     bandwidth = measure_bandwidth() if target.device == "cpu" else None
+    one_core = measure_bandwidth(threads=1) if target.device == "cpu" else None
     models = {"target": step_bytes(target.model, curve.context_tokens)}
     if draft is not None:
         models["draft"] = step_bytes(draft.model, curve.context_tokens)
@@ -239,7 +240,7 @@ def _cost_curve(target: Any, draft: Any, machine: dict[str, Any], args: argparse
         f"{target.ref} on {target.description}; {machine_line(machine)}\n\n"
         + cost_curve_markdown(curve)
         + "\n"
-        + roofline_markdown(curve, models, bandwidth)
+        + roofline_markdown(curve, models, bandwidth, one_core=one_core)
     )
     # Loaded unfused (SPECDEC_FUSE=0): also time what fusing would change, interleaved.
     gains = {}
@@ -257,6 +258,7 @@ def _cost_curve(target: Any, draft: Any, machine: dict[str, Any], args: argparse
         **asdict(curve),
         "step_bytes": {name: asdict(b) for name, b in models.items()},
         "bandwidth_bytes_per_s": bandwidth,
+        "bandwidth_one_thread_bytes_per_s": one_core,
         "fused": _is_fused(target.model),
         "fusion_gain": {name: asdict(g) for name, g in gains.items()},
     }

@@ -41,7 +41,7 @@ def place_in_huge_pages(modules: Iterable[nn.Module]) -> int:
     if not linears or not available():
         return 0
     sizes = [_rounded(linear.packed.numel()) for linear in linears]
-    arena = _arena(sum(sizes))
+    arena = buffer(sum(sizes))
     offset = 0
     for linear, size in zip(linears, sizes, strict=True):
         packed = linear.packed
@@ -62,8 +62,8 @@ def granted_bytes() -> int | None:
     return int(found.group(1)) * 1024 if found else None
 
 
-def _arena(nbytes: int) -> torch.Tensor:
-    """`nbytes` of uint8 starting on a 2 MB boundary, in a mapping that asked for huge pages.
+def buffer(nbytes: int) -> torch.Tensor:
+    """`nbytes` of uint8 (zeros) starting on a 2 MB boundary, in a mapping that asked for huge pages.
 
     The tensor holds the mapping (torch.frombuffer keeps its buffer alive), and so does
     every view of it: the memory lives as long as any module points into it."""

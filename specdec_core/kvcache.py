@@ -95,6 +95,8 @@ class CachedModel:
         self.model = model
         self.buffered = layers_cpu.writes_cache_in_place(model)
         self.cache = new_cache(model.config, self.buffered)
+        # Every layer in one call: the model's forward as one call too (layers_cpu.OneCallStack).
+        self.stack = layers_cpu.OneCallStack(model) if layers_cpu.OneCallStack.fits(model) else None
         self.ids: list[int] = []
         self.forwards = 0
 
@@ -137,21 +139,24 @@ class CachedModel:
         """Append `new_ids` to the cache; return logits [logits_to_keep, V] (fp32)."""
         input_ids = torch.tensor([list(new_ids)], dtype=torch.long, device=self.device)
         try:
-            out = self.model(
-                input_ids=input_ids, cache=self.cache, use_cache=True, logits_to_keep=logits_to_keep
-            )
+            raw = self.stack.forward(self.cache, input_ids, logits_to_keep) if self.stack else None
+            if raw is None:
+                out = self.model(
+                    input_ids=input_ids, cache=self.cache, use_cache=True, logits_to_keep=logits_to_keep
+                )
+                self.cache = out.cache if getattr(out, "cache", None) is not None else self.cache
+                raw = out.logits
         except BaseException:
             # Some layers may already hold the new positions: the cache no longer matches ids.
             self.reset()
             raise
-        self.cache = out.cache if getattr(out, "cache", None) is not None else self.cache
         self.ids.extend(new_ids)
         self.forwards += 1
         if CHECK_INVARIANT:
             lengths = layer_lengths(self.cache)
             assert all(n == len(self.ids) for n in lengths), f"cache holds {lengths} for {len(self.ids)} ids"
         # Logits upcast to fp32 before comparing/sampling (as transformers does).
-        logits = out.logits[0].float()
+        logits = raw[0].float()
         # max() propagates NaN and +inf: one reduction guards the whole tensor.
         if not torch.isfinite(logits.max()):
             self.reset()

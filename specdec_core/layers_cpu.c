@@ -132,3 +132,14 @@ int decoder_layer(const layer_weights *w, float *x, int64_t rows, const float *c
     free(scratch);
     return status ? -1 : 0;
 }
+
+/* Every layer of a model in one call, in order, each with its own cache buffers (keys[i],
+ * values[i] of capacity[i] positions, all holding `past`): exactly decoder_layer, layer
+ * after layer, without a return to the caller in between. 0, or -1 as decoder_layer. */
+int decoder_stack(const layer_weights *const *layers, int64_t n_layers, float *x, int64_t rows, const float *cos,
+                  const float *sin, float *const *keys, float *const *values, const int64_t *capacity, int64_t past,
+                  int threads) {
+    for (int64_t i = 0; i < n_layers; i++)
+        if (decoder_layer(layers[i], x, rows, cos, sin, keys[i], values[i], capacity[i], past, threads)) return -1;
+    return 0;
+}

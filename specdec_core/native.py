@@ -2,7 +2,8 @@
 
 One library holds them: `int4_cpu.c` (4-bit weights x int8 activations, the int4
 precision), `attention_cpu.c` (causal attention a row at a time, in one call per
-layer) and `layers_cpu.c` (a decoder layer's norm and rotary embedding). All give every
+layer) and `layers_cpu.c` (a decoder layer's norm and rotary embedding, a whole 4-bit
+layer, a model's layers in one call). All give every
 row the same numbers whatever the batch and thread count, which is what keeps
 speculative decoding exact.
 
@@ -87,6 +88,8 @@ def _load() -> ctypes.CDLL | KernelUnavailable:
     lib.silu_mul.restype = None
     lib.decoder_layer.argtypes = [pointer, pointer, size, pointer, pointer, pointer, pointer, size, size, c_int]
     lib.decoder_layer.restype = c_int
+    lib.decoder_stack.argtypes = [pointer, size, pointer, size, pointer, pointer, pointer, pointer, pointer, size, c_int]
+    lib.decoder_stack.restype = c_int
     return lib
 
 

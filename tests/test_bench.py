@@ -21,6 +21,7 @@ from specdec_core.bench import (
     geomean,
     llama_server,
     load_prompts,
+    measure_bandwidth,
     runner,
     start_peers,
 )
@@ -230,14 +231,31 @@ def test_a_saved_run_renders_again_without_models(report: dict, tmp_path: Path) 
 
 def test_cost_curve_times_every_size(pair_dirs: tuple[Path, Path], tmp_path: Path) -> None:
     target, draft = pair_dirs
-    out = tmp_path / "curve.json"
+    out, text = tmp_path / "curve.json", tmp_path / "curve.md"
     args = ["bench", "--target", str(target), "--draft", str(draft), "--precision", "fp32"]
-    assert main([*args, "--cost-curve", "--json", str(out)]) == 0
+    assert main([*args, "--cost-curve", "--json", str(out), "--markdown", str(text)]) == 0
     doc = json.loads(out.read_text())
     assert set(doc["target_min"]) == {"1", "2", "3", "4", "5", "6", "8", "10", "12", "16"}
     assert doc["draft_min"] > 0
     assert doc["step_bytes"]["target"]["weights"] > 0 and doc["step_bytes"]["draft"]["kv_cache"] > 0
     assert doc["bandwidth_bytes_per_s"] > 0
+    assert doc["bandwidth_one_thread_bytes_per_s"] > 0
+    assert "one thread streams" in text.read_text()
+
+
+def test_bandwidth_is_measured_at_the_thread_count_asked_for_and_the_count_restored() -> None:
+    threads = torch.get_num_threads()
+    seen = []
+    real_sum = torch.Tensor.sum
+
+    def spy(self, *args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return real_sum(self, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.Tensor, "sum", spy)
+        assert measure_bandwidth(gib=0.01, repeats=2, threads=1) > 0
+    assert seen == [1, 1] and torch.get_num_threads() == threads
 
 
 # -- the peer: llama.cpp's server, played by a fake one --------------------------------------

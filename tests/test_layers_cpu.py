@@ -19,6 +19,7 @@ from specdec_core.int4_cpu import quantize_linears_int4
 from specdec_core.kvcache import CachedModel, new_cache
 from specdec_core.layers_cpu import (
     FastLayer,
+    OneCallStack,
     rms_norm,
     rotary,
     silu_mul,
@@ -105,6 +106,31 @@ def test_one_call_layers_compute_bitwise_what_the_fast_forward_computes(tokenize
     )
 
 
+@pytest.mark.parametrize("arch", PLAIN)
+def test_a_model_in_one_call_computes_bitwise_what_its_own_forward_computes(tokenizer, arch):
+    """The whole stack of one-call layers as one call (OneCallStack, what CachedModel runs)
+    against the model's own forward over the same kind of cache: prefill, verifies, a
+    rollback refilled with other tokens. A model with sliding-window layers keeps its own forward."""
+    model = loaded(arch_model(arch, len(tokenizer)), "int4")
+    speed_up_layers(model)
+    ids, other = _ids(tokenizer, 300)[0].tolist(), _ids(tokenizer, 40)[0].roll(1).tolist()
+    stacked, own = CachedModel(model), CachedModel(model)
+    own.stack = None
+    assert stacked.stack is not None and OneCallStack.fits(model)
+    used = []
+    forward = stacked.stack.forward
+    stacked.stack.forward = lambda *a: used.append(forward(*a)) or used[-1]
+
+    def run(runner, bounds, tokens):
+        return torch.cat([runner.forward(tokens[s:e], logits_to_keep=e - s) for s, e in itertools.pairwise(bounds)])
+
+    assert torch.equal(run(stacked, [0, 250, 251, 259, 300], ids), run(own, [0, 250, 251, 259, 300], ids))
+    stacked.crop(260), own.crop(260)
+    assert torch.equal(run(stacked, [0, 9, 10, 40], other), run(own, [0, 9, 10, 40], other))
+    windowed = arch in ("qwen2-swa", "mistral")  # their sliding layers keep a rollback cache
+    assert all(out is None for out in used) if windowed else all(out is not None for out in used)
+
+
 def test_only_4_bit_layers_write_the_cache_in_place(tokenizer):
     four_bit = loaded(arch_model("qwen2", len(tokenizer)), "int4")
     speed_up_layers(four_bit)
@@ -171,12 +197,16 @@ def test_unfused_or_full_precision_layers_keep_transformers_forward(tokenizer):
     assert speed_up_layers(model) == 0
 
 
-def test_a_one_call_layer_out_of_memory_raises_and_the_cache_starts_over(tokenizer, monkeypatch):
+@pytest.mark.parametrize("whole_model", [True, False])
+def test_a_one_call_layer_out_of_memory_raises_and_the_cache_starts_over(tokenizer, monkeypatch, whole_model):
     """A layer that fails half-way has written keys past the held positions; the runner drops
-    the cache, so the next forward re-feeds the sequence and gives the same logits."""
+    the cache, so the next forward re-feeds the sequence and gives the same logits (the
+    model's layers in one call, or each layer in one)."""
     model = loaded(arch_model("qwen2", len(tokenizer)), "int4")
     speed_up_layers(model)
     runner = CachedModel(model)
+    if not whole_model:
+        runner.stack = None
     ids = _ids(tokenizer, 12)[0].tolist()
     expected = runner.forward(ids, 1)
     runner.crop(8)
@@ -185,11 +215,11 @@ def test_a_one_call_layer_out_of_memory_raises_and_the_cache_starts_over(tokeniz
 
     class Failing:
         def __getattr__(self, name):
-            return (lambda *args: -1) if name == "decoder_layer" else getattr(real, name)
+            return (lambda *args: -1) if name in ("decoder_layer", "decoder_stack") else getattr(real, name)
 
     with monkeypatch.context() as patch:
         patch.setattr(layers_cpu.native, "library", Failing)
-        with pytest.raises(MemoryError, match="out of memory in a decoder layer"):
+        with pytest.raises(MemoryError, match=r"out of memory in (a|the) decoder layer"):
             runner.forward(ids[8:], 1)
     assert runner.ids == []  # started over
     assert torch.equal(runner.forward(ids, 1), expected)

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from .. import huge_pages
 from ..draft_int4 import Int4Weights
 from ..kvcache import CachedModel
 from ..quant_cpu import PerTokenInt8Linear
@@ -141,15 +142,23 @@ def _kv_bytes(model: Any, context_tokens: int) -> int:
     return int(config.num_hidden_layers) * 2 * heads * head_dim * context_tokens * element
 
 
-def measure_bandwidth(gib: float = 0.25, repeats: int = 5) -> float:
+def measure_bandwidth(gib: float = 0.25, repeats: int = 5, threads: int | None = None) -> float:
     """Bytes per second of a streaming read (a sum over `gib` GiB of fp32, far beyond any
-    cache), best of `repeats`."""
-    data = torch.ones(int(gib * 2**30) // 4)
+    cache) at `threads` threads (None: as many as now), best of `repeats`. The data sits in
+    2 MB pages where the OS grants them, as the 4-bit weights do (huge_pages.py)."""
+    count = int(gib * 2**30) // 4
+    data = huge_pages.buffer(count * 4).view(torch.float32) if huge_pages.available() else torch.empty(count)
+    data.fill_(1.0)
+    saved = torch.get_num_threads()
     best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        data.sum()
-        best = min(best, time.perf_counter() - start)
+    try:
+        torch.set_num_threads(threads or saved)
+        for _ in range(repeats):
+            start = time.perf_counter()
+            data.sum()
+            best = min(best, time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(saved)
     return data.numel() * 4 / best
 
 
