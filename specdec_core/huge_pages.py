@@ -6,7 +6,7 @@ streamed 13.4 GB/s here (2 threads 24.5); in 2 MB pages, 18.1 (31.7), the same r
 (docs/performance.md). Linux backs memory with such pages where the process asks for
 them (transparent huge pages in `madvise` mode, the common default) or everywhere
 (`always`); where they are off (`never`), or on another OS, the weights stay where
-they are and nothing else changes.
+they are and nothing else changes; so they do where the mapping cannot be made.
 
 `place_in_huge_pages` copies the packed weights of a model's 4/6-bit linears, one
 module at a time, into one anonymous private mapping that asked for huge pages, and
@@ -41,7 +41,10 @@ def place_in_huge_pages(modules: Iterable[nn.Module]) -> int:
     if not linears or not available():
         return 0
     sizes = [_rounded(linear.packed.numel()) for linear in linears]
-    arena = buffer(sum(sizes))
+    try:
+        arena = buffer(sum(sizes))
+    except OSError:  # no room for the mapping, or the kernel refuses the advice: stay where they are
+        return 0
     offset = 0
     for linear, size in zip(linears, sizes, strict=True):
         packed = linear.packed

@@ -54,6 +54,19 @@ def test_nothing_moves_where_the_os_cannot_ask_for_huge_pages(tokenizer, monkeyp
     assert all(m.packed is before[id(m)] for m in model.modules() if isinstance(m, Int4Linear))
 
 
+@needs_kernel
+def test_a_mapping_that_cannot_be_made_leaves_the_weights_where_they_are(tokenizer, monkeypatch) -> None:
+    model = _int4_in_place(tiny_model(len(tokenizer), hidden=64), monkeypatch)
+    before = {id(m): m.packed for m in model.modules() if isinstance(m, Int4Linear)}
+
+    def no_room(nbytes: int):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(huge_pages, "buffer", no_room)
+    assert place_in_huge_pages(model.modules()) == 0
+    assert all(m.packed is before[id(m)] for m in model.modules() if isinstance(m, Int4Linear))
+
+
 def test_modules_without_4_bit_weights_are_left_alone() -> None:
     linear = torch.nn.Linear(32, 16)
     assert place_in_huge_pages([linear, torch.nn.ReLU()]) == 0

@@ -147,7 +147,10 @@ def measure_bandwidth(gib: float = 0.25, repeats: int = 5, threads: int | None =
     cache) at `threads` threads (None: as many as now), best of `repeats`. The data sits in
     2 MB pages where the OS grants them, as the 4-bit weights do (huge_pages.py)."""
     count = int(gib * 2**30) // 4
-    data = huge_pages.buffer(count * 4).view(torch.float32) if huge_pages.available() else torch.empty(count)
+    try:
+        data = huge_pages.buffer(count * 4).view(torch.float32) if huge_pages.available() else torch.empty(count)
+    except OSError:
+        data = torch.empty(count)
     data.fill_(1.0)
     saved = torch.get_num_threads()
     best = float("inf")
