@@ -49,9 +49,6 @@ SCALE_WINDOW = 7
 # A draft's first forward reads the last committed token, and after a fully accepted
 # step also the last draft token (never fed back): the steady state's catch-up.
 STEADY_FIRST_TOKENS = 2
-# A first forward reading at least this many tokens is a catch-up (the prompt, copied or
-# plain steps): its seconds per token price the next one (`catch_up_seconds`).
-CATCH_UP_TOKENS = 16
 
 # At most this many verdicts' weight of acceptance carries from one answer to the next.
 CARRY_WEIGHT = 4.0
@@ -86,10 +83,9 @@ class CostModel:
     `draft_first` is the typical first forward of that steady state (reading at most
     `STEADY_FIRST_TOKENS`), `draft_token` each further one. A longer catch-up (the prompt,
     the tokens of plain or copied steps) is a debt paid whenever the model next drafts,
-    so it is not booked into `draft_first`: counted there, it made every later draft look
-    dear and kept the model off (measured: 70 plain steps of 81 on a prompt the model
-    drafted at 0.90, after the prompt's read became the first timing). Its own price per
-    token is kept apart (`catch_up_seconds`), for the one forward that owes it.
+    so it is not booked: counted, it would make the model look dearer the longer it has
+    been off and keep it off (measured: 70 plain steps of 81 on a prompt the model
+    drafted at 0.90, after the prompt's read became the first timing).
     """
 
     def __init__(
@@ -105,7 +101,6 @@ class CostModel:
         self._ratios: deque[float] = deque(maxlen=SCALE_WINDOW)
         self._shape: dict[Kind, float] = {}
         self._samples: dict[Kind, deque[float]] = {}
-        self._catch_up: deque[float] = deque(maxlen=WINDOW)  # seconds per token at scale 1
         given: list[tuple[Kind, float | None]] = [*(verify or {}).items()]
         given += [(DRAFT_TOKEN, draft_token), (DRAFT_FIRST, draft_first)]
         for kind, seconds in given:  # values given here count as first measurements
@@ -145,22 +140,6 @@ class CostModel:
         """A draft's first forward read `tokens` tokens in `seconds`."""
         if tokens <= STEADY_FIRST_TOKENS:
             self._observe(DRAFT_FIRST, seconds)
-        elif tokens >= CATCH_UP_TOKENS:
-            self._catch_up.append(seconds / tokens / self.scale)
-
-    def catch_up_seconds(self, tokens: int) -> float:
-        """What a draft forward reading `tokens` tokens costs beyond a steady first forward:
-        measured per token on long catch-ups (at the machine's speed now); before any, a
-        verify's cost per extra token times the draft's cost relative to a target step."""
-        extra = tokens - STEADY_FIRST_TOKENS
-        if extra <= 0:
-            return 0.0
-        if self._catch_up:
-            return extra * self.scale * statistics.median(self._catch_up)
-        plain, draft = self.verify_seconds(1), self.draft_token
-        if not plain or not draft:
-            return 0.0
-        return extra * self.verify_slope() * draft / plain
 
     def _observe(self, kind: Kind, seconds: float) -> None:
         """One timing: it moves the common scale (if its kind has a usual cost), then its
@@ -192,7 +171,6 @@ class CostModel:
         for kind in (DRAFT_TOKEN, DRAFT_FIRST):
             self._shape.pop(kind, None)
             self._samples.pop(kind, None)
-        self._catch_up.clear()
 
     def verify_seconds(self, m: int) -> float | None:
         """t_verify(m), never below a smaller size's: a size last timed in a calm moment

@@ -424,9 +424,7 @@ class LookupThenModelDrafter:
     ) -> Draft:
         start = time.perf_counter()
         found, n = self.lookup_drafter.match(tokens, budget)
-        # The model's next forward reads every token its cache lacks (the prompt, at first).
-        debt = self.policy.costs.catch_up_seconds(len(tokens) - self.model.runner.cached_prefix(tokens))
-        choice = self.policy.choose(budget, n, len(found), self.model.seconds_per_token(), debt)
+        choice = self.policy.choose(budget, n, len(found), self.model.seconds_per_token())
         self._step = _Step(choice, n, found)
         copied = found[: choice.lookup_tokens]
         if not choice.model_tokens:

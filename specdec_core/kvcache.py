@@ -122,18 +122,11 @@ class CachedModel:
 
     def sync(self, tokens: Sequence[int]) -> int:
         """Crop to the longest cached prefix of `tokens`; return its length."""
-        n = self.cached_prefix(tokens)
-        self.crop(n)
-        return n
-
-    def cached_prefix(self, tokens: Sequence[int]) -> int:
-        """How many of `tokens`' first tokens the cache holds."""
-        if list(tokens[: len(self.ids)]) == self.ids:  # the usual case, compared in C
-            return len(self.ids)
         n = 0
         limit = min(len(self.ids), len(tokens))
         while n < limit and self.ids[n] == tokens[n]:
             n += 1
+        self.crop(n)
         return n
 
     def synchronize(self) -> None:

@@ -22,15 +22,6 @@ paraphrases a few words, then quotes the prompt once more); `resume_copies` then
 copies from that match against the model's remaining forwards, and the draft goes on
 with whichever pays more.
 
-A model that has not read the text for a while owes a catch-up: its next forward also
-reads every token it has not seen (the whole prompt, at an answer's first model draft:
-~0.3 s for a 160-token prompt of the 0.5B draft here, six target steps). Paid once, it
-lets every later step draft with the model, so a model option carries it spread over
-`DEBT_HORIZON` steps, and a probe, which is only for information, does not pay a debt
-above `PROBE_DEBT_STEPS` plain steps. Measured on a summary whose answer the lookup
-copies: the first step drafted one model token and paid the whole prompt's read, and
-ours-auto came out at 0.88-0.95x ours-ngram (docs/performance.md).
-
 Under greedy decoding the lookup is scored for free at every step it was not used:
 its tokens are compared with the tokens the target committed, which is exactly the
 verdict it would have had. Its estimate therefore stays current even while the model
@@ -43,12 +34,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .adaptive import AcceptanceEstimate, CostModel, Prober, Stretcher, perfect_draft_pays
-
-# A catch-up the model's next forward owes is spread over this many steps of its price:
-# the model drafts on after paying it, but an answer may not need it for long.
-DEBT_HORIZON = 8
-# A probe only re-measures; it does not pay a catch-up dearer than this many plain steps.
-PROBE_DEBT_STEPS = 2.0
 
 
 @dataclass(frozen=True)
@@ -95,16 +80,9 @@ class SourcePolicy:
             self._lookup[n] = AcceptanceEstimate(self.max_k)
         return self._lookup[n]
 
-    def options(
-        self, budget: int, match_n: int, found: int, t_draft: float, debt: float = 0.0
-    ) -> list[tuple[float, Choice]]:
-        """(expected tokens per second, choice) for every way to draft this step; `debt` is
-        the seconds of catch-up the model's next forward owes (see the module doc)."""
+    def options(self, budget: int, match_n: int, found: int, t_draft: float) -> list[tuple[float, Choice]]:
+        """(expected tokens per second, choice) for every way to draft this step."""
         verify = [self.costs.verify_seconds(m) or 0.0 for m in range(budget + 2)]
-        owed = debt / DEBT_HORIZON
-
-        def model_seconds(k: int) -> float:
-            return self.costs.draft_seconds(k, t_draft) + owed
 
         def rate(tokens: float, draft_seconds: float, drafted: int) -> float:
             seconds = draft_seconds + verify[drafted + 1]
@@ -112,7 +90,7 @@ class SourcePolicy:
 
         model = self.model.expected_curve(budget)
         out = [
-            (rate(model[k], model_seconds(k), k), Choice(0, k))
+            (rate(model[k], self.costs.draft_seconds(k, t_draft), k), Choice(0, k))
             for k in range(1, budget + 1)
         ]
         if found <= 0:
@@ -124,17 +102,18 @@ class SourcePolicy:
         reach = copies[n_copied] - copies[n_copied - 1]
         for j in range(1, budget - n_copied + 1):
             tokens = copies[n_copied] + reach * (model[j] - 1.0)
-            out.append((rate(tokens, model_seconds(j), n_copied + j), Choice(n_copied, j)))
+            out.append(
+                (rate(tokens, self.costs.draft_seconds(j, t_draft), n_copied + j), Choice(n_copied, j))
+            )
         return out
 
-    def choose(self, budget: int, match_n: int, found: int, t_draft: float, debt: float = 0.0) -> Choice:
-        """The step's draft: `found` tokens are available from a match of `match_n` tokens, and
-        the model's next forward owes `debt` seconds of catch-up."""
-        choice = self._choose(budget, match_n, found, t_draft, debt)
+    def choose(self, budget: int, match_n: int, found: int, t_draft: float) -> Choice:
+        """The step's draft: `found` tokens are available from a match of `match_n` tokens."""
+        choice = self._choose(budget, match_n, found, t_draft)
         self._model_idle = 0 if choice.model_tokens else self._model_idle + 1
         return choice
 
-    def _choose(self, budget: int, match_n: int, found: int, t_draft: float, debt: float) -> Choice:
+    def _choose(self, budget: int, match_n: int, found: int, t_draft: float) -> Choice:
         budget = min(budget, self.max_k)
         if budget <= 0:
             return PLAIN
@@ -145,10 +124,9 @@ class SourcePolicy:
         plain = self.costs.verify_seconds(1)
         if plain is None:  # nothing measured yet: a moderate draft, copies if there are any
             return Choice(min(found, 4, budget), 0) if found > 0 else Choice(0, min(4, budget))
-        options = self.options(budget, match_n, found, t_draft, debt)
+        options = self.options(budget, match_n, found, t_draft)
         rate, best = max(options, key=lambda o: o[0])
-        model_probes = debt <= PROBE_DEBT_STEPS * plain
-        if not best.model_tokens and self._model_idle >= self.prober.every and model_probes:
+        if not best.model_tokens and self._model_idle >= self.prober.every:
             return self._model_probe(options)
         if rate > 1.0 / plain:
             self.prober.drafted()
@@ -158,28 +136,23 @@ class SourcePolicy:
             return Choice(best.lookup_tokens, self.stretcher.stretch(best.model_tokens, room, self.model))
         could_pay = found > 0 or perfect_draft_pays(self.costs, budget, t_draft)
         if self.prober.plain_step(could_pay) or self._untried(best, match_n):
-            return self._probe(best, options, model_probes)
+            return self._probe(best, options)
         self.model.age()
         for estimate in self._lookup.values():
             estimate.age()
         return PLAIN
 
-    def _probe(self, best: Choice, options: list[tuple[float, Choice]], model_probes: bool = True) -> Choice:
+    def _probe(self, best: Choice, options: list[tuple[float, Choice]]) -> Choice:
         """A probe; every other one drafts with the model alone.
 
         Probing only the best-looking option can starve the model draft: measured, after
         prose answers its estimate sat below break-even, the probes went to prompt-lookup
         copies that kept failing on an arithmetic answer, and the model, which drafted that
-        answer at 0.82 when asked first, was never re-measured. Unless `model_probes` is
-        False (the model owes too long a catch-up): then the model is not asked at all.
+        answer at 0.82 when asked first, was never re-measured.
         """
         self._probe_model = not self._probe_model
-        if self._probe_model and best.lookup_tokens and model_probes:
+        if self._probe_model and best.lookup_tokens:
             best = Choice(0, _best_model_tokens(options))
-        elif best.model_tokens and not model_probes:  # copies alone, or a plain step
-            best = Choice(best.lookup_tokens, 0)
-            if not best.lookup_tokens:
-                return PLAIN
         return Choice(best.lookup_tokens, best.model_tokens, probe=True)
 
     def _model_probe(self, options: list[tuple[float, Choice]]) -> Choice:

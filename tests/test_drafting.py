@@ -468,37 +468,3 @@ def test_one_rejection_at_the_second_position_does_not_keep_model_drafts_at_one_
         policy.observe(choice, 0, choice.model_tokens, choice.model_tokens)  # all accepted
     assert lengths[0] == 1  # the rejection is believed at first ...
     assert max(lengths) >= 3  # ... and tested again within a few steps (was 11 steps at 1)
-
-
-def test_a_long_catch_up_keeps_a_marginal_model_draft_off_but_not_a_clearly_better_one():
-    # A summary's first step: no match yet, the model carried as fairly good, and its first
-    # forward owes the prompt's read (~0.3 s here: six target steps of 0.05 s).
-    verify = {m: 0.05 * (1 + 0.1 * (m - 1)) for m in range(1, 10)}
-    fair = policy_with(model_runs=[(4, 1), (4, 2)] * 15, verify=verify)  # just above a plain step
-    assert fair.choose(budget=8, match_n=0, found=0, t_draft=0.02).model_tokens > 0
-    assert fair.choose(budget=8, match_n=0, found=0, t_draft=0.02, debt=0.3) == PLAIN
-    # An excellent model pays the same debt back within a few steps: it drafts at once.
-    excellent = policy_with(model_runs=[(6, 6)] * 30, verify=verify)
-    assert excellent.choose(budget=8, match_n=0, found=0, t_draft=0.02, debt=0.3).model_tokens > 0
-
-
-def test_a_model_probe_does_not_pay_a_long_catch_up():
-    # The model has been idle for a whole probe interval while copies paid: a probe would
-    # normally draft with it, but not when its next forward would read the whole prompt.
-    policy = policy_with(model_runs=[(4, 0)] * 30, lookup_runs=[(4, 4)] * 30)
-    for step in range(2 * policy.prober.every):
-        choice = policy.choose(budget=8, match_n=3, found=4, t_draft=0.05, debt=1.0)
-        assert choice.model_tokens == 0, step
-        policy.observe(choice, 3, 0, choice.lookup_tokens)
-    assert policy.choose(budget=8, match_n=3, found=4, t_draft=0.05, debt=0.0).model_tokens > 0
-
-
-def test_a_catch_up_is_priced_from_long_first_forwards_and_before_them_from_the_verify_slope():
-    costs = CostModel(verify={1: 0.10, 2: 0.11, 4: 0.13}, draft_token=0.04)
-    prior = costs.catch_up_seconds(102)
-    assert prior == pytest.approx(100 * costs.verify_slope() * 0.04 / 0.10)
-    assert costs.catch_up_seconds(2) == 0.0
-    costs.observe_draft_first(160, 0.32)  # a prompt's read: 2 ms a token
-    assert costs.catch_up_seconds(102) == pytest.approx(100 * 0.002, rel=0.05)
-    costs.observe_draft_first(8, 0.5)  # neither steady nor a catch-up: priced as neither
-    assert costs.catch_up_seconds(102) == pytest.approx(100 * 0.002, rel=0.05)
