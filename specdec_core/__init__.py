@@ -14,9 +14,11 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from . import openmp
 from ._requirements import check_requirements
 
 check_requirements()
+openmp.apply_defaults()  # before torch loads libgomp, which reads it once (openmp.py)
 
 _EXPORTS = {
     "add_model_options": "cli",

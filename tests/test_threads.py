@@ -4,6 +4,9 @@ hysteresis, a pinned count obeyed — and the thread count never changes int8 re
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -11,6 +14,7 @@ import torch
 from tiny import tiny_model
 from transformers import DynamicCache
 
+from specdec_core import openmp
 from specdec_core.batch_invariant import make_batch_invariant
 from specdec_core.engine import GenerationParams, SpeculativeEngine
 from specdec_core.errors import SpecdecError
@@ -160,3 +164,23 @@ def test_under_load_times_every_condition_and_restores_the_governor(target, toke
     assert all(r.tokens_per_s > 0 for r in runs)
     assert governor.pinned == saved
     assert "one busy process" in under_load_markdown(runs)
+
+
+def test_importing_the_library_sets_a_short_openmp_spin_before_torch_is_loaded() -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    code = "import os, sys, specdec_core; print(os.environ.get('GOMP_SPINCOUNT'), 'torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    # libgomp reads the variable once, when torch loads it: it must be set and torch not yet loaded.
+    assert out.stdout.split() == [openmp.SPIN_COUNT, "False"]
+
+
+def test_a_users_own_openmp_spin_or_wait_policy_is_kept() -> None:
+    chosen = {"GOMP_SPINCOUNT": "0"}
+    openmp.apply_defaults(chosen)
+    assert chosen == {"GOMP_SPINCOUNT": "0"}
+    passive = {"OMP_WAIT_POLICY": "PASSIVE"}
+    openmp.apply_defaults(passive)
+    assert passive == {"OMP_WAIT_POLICY": "PASSIVE"}
+    unset: dict[str, str] = {}
+    openmp.apply_defaults(unset)
+    assert unset == {"GOMP_SPINCOUNT": openmp.SPIN_COUNT}
