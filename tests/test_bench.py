@@ -25,7 +25,8 @@ from specdec_core.bench import (
     runner,
     start_peers,
 )
-from specdec_core.bench.results import prompt_results
+from specdec_core.bench.results import Result, prompt_results
+from specdec_core.bench.targets import TargetCheck, check_targets
 from specdec_core.cli import main
 from specdec_core.errors import SpecdecError
 from specdec_core.threads import default_governor
@@ -356,3 +357,39 @@ def test_llama_server_is_skipped_with_the_reason_when_absent(
     with ExitStack() as stack:
         peers, skipped = start_peers(["llama-server"], str(gguf), None, 2, stack)
     assert peers == {} and "no llama-server found" in skipped["llama-server"]
+
+
+def _result(prompt_id: str, category: str, method: str, tokens_per_s: float) -> Result:
+    return Result(prompt_id, category, method, 10, 96, 96 / tokens_per_s, tokens_per_s, 1.0, None, True, None, [])
+
+
+def _bar(name: str) -> TargetCheck:
+    return next(c for c in check_targets(BAR_RESULTS) if c.name == name)
+
+
+BAR_RESULTS = [
+    _result(prompt_id, category, method, tps)
+    for prompt_id, category, rates in [
+        ("edit", "code-edit", {"target": 10.0, "ours-off": 20.0, "ours-auto": 30.0, "ours-ngram": 33.0}),
+        ("sum", "summarise", {"target": 10.0, "ours-off": 20.0, "ours-auto": 19.0, "ours-ngram": 18.0}),
+    ]
+    for method, tps in rates.items()
+]
+
+
+def test_bars_against_our_own_plain_decoding_are_stricter_than_against_transformers() -> None:
+    assert _bar("ours-auto worst prompt vs target").value == pytest.approx(1.9)
+    worst_vs_off = _bar("ours-auto worst prompt vs ours-off")
+    assert worst_vs_off.value == pytest.approx(0.95) and worst_vs_off.met
+    assert _bar("ours-auto vs ours-off on code-edit").value == pytest.approx(1.5)
+    assert _bar("ours-auto vs ours-off on code-edit").met is None  # reported, not judged
+
+
+def test_a_bar_takes_the_better_of_its_references_per_prompt() -> None:
+    best_source = _bar("ours-auto worst prompt vs best of ours-draft/ours-ngram")
+    assert best_source.value == pytest.approx(30.0 / 33.0) and best_source.met is False
+
+
+def test_a_bar_whose_methods_did_not_run_is_not_applicable() -> None:
+    peer = _bar("ours-off vs llama-server plain")
+    assert peer.value is None and peer.met is None
