@@ -29,7 +29,7 @@ from specdec_core.bench.results import Result, prompt_results
 from specdec_core.bench.targets import TargetCheck, check_targets
 from specdec_core.cli import main
 from specdec_core.errors import SpecdecError
-from specdec_core.threads import default_governor
+from specdec_core.threads import ThreadGovernor, default_governor
 from tests.tiny import perturbed, tiny_model, tiny_tokenizer
 
 PROMPTS = [
@@ -393,3 +393,23 @@ def test_a_bar_takes_the_better_of_its_references_per_prompt() -> None:
 def test_a_bar_whose_methods_did_not_run_is_not_applicable() -> None:
     peer = _bar("ours-off vs llama-server plain")
     assert peer.value is None and peer.met is None
+
+
+def test_the_peers_own_cpu_time_is_not_taken_for_a_neighbours_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    class CountingProbe:
+        calls = 0
+
+        def others_busy(self) -> float:
+            self.calls += 1
+            return 2.0  # both cores: the server answering while our engine waited
+
+    class AnsweringServer:
+        def complete(self, prompt_ids: list[int], max_new_tokens: int) -> dict:
+            return {"tokens": [5, 6], "timings": {"prompt_ms": 10.0, "predicted_ms": 20.0}}
+
+    probe = CountingProbe()
+    governor = ThreadGovernor(max_threads=2, cores=2, probe=probe)
+    monkeypatch.setattr(llama_server, "default_governor", lambda: governor)
+    run = llama_server.LlamaServerMethod("llama-server", AnsweringServer()).run([1, 2], 2)  # type: ignore[arg-type]
+    assert run.token_ids == (5, 6) and run.seconds == pytest.approx(0.03)
+    assert probe.calls == 1  # the window restarted after the request: the next check starts clean

@@ -97,6 +97,17 @@ def test_checks_the_load_only_when_due_and_applies_the_choice(restore_threads: N
     assert load.calls == 3 and torch.get_num_threads() == 2
 
 
+def test_a_restarted_window_leaves_out_the_cpu_time_before_it(restore_threads: None) -> None:
+    clock = Clock()
+    load = ScriptedLoad([2.0, 0.0])  # 2.0: the bench's peer server answering while we waited
+    g = ThreadGovernor(max_threads=2, cores=2, probe=load, clock=clock, interval_s=1.0)
+    g.maybe_adjust()  # starts the measuring window
+    g.restart_window()  # the peer's request ends here
+    clock.now = 0.3
+    g.maybe_adjust()  # the check sees only the time since the restart
+    assert load.calls == 2 and g.threads == 2 and torch.get_num_threads() == 2
+
+
 def test_a_pinned_count_is_applied_and_never_measured(restore_threads: None) -> None:
     load = ScriptedLoad([])
     g = ThreadGovernor(max_threads=2, cores=2, pinned=1, probe=load)

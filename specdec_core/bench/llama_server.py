@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import SpecdecError
+from ..threads import default_governor
 from .methods import LLAMA_SERVER_DRAFT, PEER_METHODS, Run
 
 BINARY_NAMES = ("llama-server", "llama-server-vulkan")
@@ -193,6 +194,9 @@ class LlamaServerMethod:
 
     def run(self, prompt_ids: Sequence[int], max_new_tokens: int) -> Run:
         reply = self.server.complete(prompt_ids, max_new_tokens)
+        # The server's cores were busy for us, not against us: the methods that run next
+        # must not take them for another process's load (threads.py).
+        default_governor().restart_window()
         timings = reply.get("timings") or {}
         try:
             seconds = (float(timings["prompt_ms"]) + float(timings["predicted_ms"])) / 1000.0
