@@ -19,6 +19,7 @@ the four strategies share one interface and read best side by side.)
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from typing import Protocol
 import torch
 
 from .adaptive import ConfidenceCalibration, CostModel, DraftLengthController
+from .draft_vocab import RankedHead, VocabTiers
 from .kvcache import CachedModel
 from .policy import PLAIN, Choice, SourcePolicy
 from .sampling import SamplingParams, sample
@@ -228,7 +230,10 @@ class ModelDrafter:
         # The target's vocabulary size: a draft with extra rows never proposes ids
         # the target cannot score, and its q is padded to the target's V.
         self.vocab_size = vocab_size
-        self.rows: torch.Tensor | None = None  # the ids a truncated head scores (draft_vocab.py)
+        get_head = getattr(model, "get_output_embeddings", None)
+        head = get_head() if callable(get_head) else None
+        # A ranked head scores only the ids this conversation is likely to need (draft_vocab.py).
+        self.tiers = VocabTiers(head) if isinstance(head, RankedHead) else None
         self.costs = CostModel()
         self.controller = DraftLengthController()
         self.calibration = ConfidenceCalibration()
@@ -305,6 +310,34 @@ class ModelDrafter:
         pending = list(tokens[cached:])
         drafted: list[int] = []
         dists: list[torch.Tensor] = []
+        with self._scoring(tokens):
+            self._draft_tokens(pending, k, sampling, generator, reach, handoff, drafted, dists)
+        return Draft(
+            tokens=drafted,
+            probs=torch.stack(dists),
+            seconds=time.perf_counter() - start,
+            forwards=self.runner.forwards - forwards_before,
+            source=DraftSource.MODEL,
+            requested=k,
+        )
+
+    def _scoring(self, tokens: Sequence[int]) -> contextlib.AbstractContextManager[None]:
+        if self.tiers is None:
+            return contextlib.nullcontext()
+        return self.tiers.head.scoring(self.tiers.limit(tokens))
+
+    def _draft_tokens(
+        self,
+        pending: list[int],
+        k: int,
+        sampling: SamplingParams,
+        generator: torch.Generator | None,
+        reach: float,
+        handoff: Callable[[Sequence[int]], bool] | None,
+        drafted: list[int],
+        dists: list[torch.Tensor],
+    ) -> None:
+        """One forward per token into `drafted` and `dists`, until k or an early stop."""
         for _ in range(k):
             forward_start = time.perf_counter()
             logits = self._fit_vocab(self.runner.forward(pending, logits_to_keep=1)[-1])
@@ -326,14 +359,6 @@ class ModelDrafter:
             # The next token, about as likely as this one, would not pay for its forward.
             if self.early_stop and reach * chance < self._break_even(forward=True):
                 break
-        return Draft(
-            tokens=drafted,
-            probs=torch.stack(dists),
-            seconds=time.perf_counter() - start,
-            forwards=self.runner.forwards - forwards_before,
-            source=DraftSource.MODEL,
-            requested=k,
-        )
 
     def _break_even(self, forward: bool) -> float:
         """The chance of acceptance below which one more draft token costs more than it
@@ -348,9 +373,6 @@ class ModelDrafter:
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         v = self.vocab_size
-        if self.rows is not None:  # a truncated head (draft_vocab.py): the other ids get q = 0
-            full = torch.full((v or int(self.rows.max()) + 1,), float("-inf"), dtype=logits.dtype)
-            return full.to(logits.device).index_copy_(0, self.rows.to(logits.device), logits)
         if v is None or logits.shape[-1] == v:
             return logits
         if logits.shape[-1] > v:

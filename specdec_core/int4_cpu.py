@@ -163,18 +163,23 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Called ~100 times a step: no work here that fp32, contiguous input does not need.
-        rows = x.reshape(-1, self.in_features)
+        y = self.matmul(x.reshape(-1, self.in_features), self.out_features)
+        return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def matmul(self, rows: torch.Tensor, n_out: int) -> torch.Tensor:
+        """The first `n_out` outputs of rows [T, in]: [T, n_out]. The kernel reads only their
+        blocks of weights (a prefix of `packed`)."""
         if rows.dtype != torch.float32 or not rows.is_contiguous():
             rows = rows.float().contiguous()
-        y = torch.empty(rows.shape[0], self.out_features)
+        y = torch.empty(rows.shape[0], n_out)
         status = library().int4_linear(
-            self.packed.data_ptr(), self.out_features, self.in_features, rows.data_ptr(), rows.shape[0],
+            self.packed.data_ptr(), n_out, self.in_features, rows.data_ptr(), rows.shape[0],
             None if self.bias is None else self.bias.data_ptr(), y.data_ptr(), torch.get_num_threads(),
             self.bits,
         )  # fmt: skip
         if status != 0:
             raise MemoryError(f"out of memory in a {self.bits}-bit linear of {rows.shape[0]} rows")
-        return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
+        return y
 
     def dense_weight(self) -> torch.Tensor:
         """The weights as floats [out, in], exactly the values the kernel multiplies by."""

@@ -15,6 +15,7 @@ from pathlib import Path
 from .chat import stop_token_ids
 from .compat import rate_draft
 from .draft_int4 import speed_up_draft
+from .draft_vocab import rank_head
 from .drafters import (
     NGRAM,
     NONE,
@@ -128,9 +129,13 @@ def load_draft(
     )
     if draft.device == "cpu" and draft.precision == "int8" and speed_up_draft(draft.model):
         draft = replace(draft, precision="int8/int4")  # 4-bit draft steps: the target still verifies
-    if draft.device == "cpu" and draft.precision == "int4" and head_to_int4(draft.model):
-        # The target's head keeps 6 bits; a draft's may round more. Its new weights go where the rest are.
-        place_in_huge_pages([draft.model.get_output_embeddings()])
+    if draft.device == "cpu" and draft.precision == "int4":
+        # The target's head keeps 6 bits; a draft's may round more, and its rows go by rank so
+        # a step can score only those the conversation needs (draft_vocab.py).
+        head_to_int4(draft.model)
+        stops = sorted(stop_token_ids(target.tokenizer, target.model) | stop_token_ids(draft.tokenizer, draft.model))
+        if rank_head(draft.model, stops) is not None:
+            place_in_huge_pages([draft.model.get_output_embeddings()])
     return make_drafter(spec, target, draft), draft
 
 

@@ -1,66 +1,119 @@
-"""A truncated draft vocabulary: cheaper draft tokens, the same output."""
+"""A ranked draft head: cheaper draft tokens where a conversation needs few ids, the same output."""
 
 from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from tiny import hf_greedy, tiny_model
 
-from specdec_core.draft_vocab import truncate_draft, useful_rows
-from specdec_core.drafters import ModelDrafter
+from specdec_core import native
+from specdec_core.draft_vocab import MAX_MISS, RankedHead, VocabTiers, rank_head, rank_order
+from specdec_core.drafters import LookupThenModelDrafter, ModelDrafter
 from specdec_core.engine import GenerationParams, SpeculativeEngine
-from specdec_core.quant_cpu import int8_available, quantize_linears_int8
+from specdec_core.int4_cpu import head_to_int4, quantize_linears_int4
 from specdec_core.sampling import SamplingParams
 
-
-def test_rows_are_the_lowest_ids_plus_the_stop_tokens():
-    assert useful_rows(10, 4, always=[9, 2, 42]).tolist() == [0, 1, 2, 3, 9]
+needs_kernel = pytest.mark.skipif(native.unavailable() is not None, reason="no C kernels here")
 
 
-def test_truncated_draft_keeps_greedy_output_and_proposes_only_kept_ids(tokenizer, target):
+def test_stop_tokens_rank_first_then_every_other_id_by_id() -> None:
+    assert rank_order(8, first=[6, 2, 6, 99]).tolist() == [6, 2, 0, 1, 3, 4, 5, 7]
+
+
+def _int4_draft(v: int, seed: int = 0):
+    model = copy.deepcopy(tiny_model(v, seed=seed))
+    quantize_linears_int4(model)
+    head_to_int4(model)
+    return model
+
+
+def _ranked(model, stops: list[int], tiers: tuple[int, ...]) -> RankedHead:
+    head = RankedHead(model.lm_head, rank_order(model.lm_head.out_features, stops), tiers=tiers)
+    model.set_output_embeddings(head)
+    return head
+
+
+@needs_kernel
+def test_a_ranked_head_gives_bitwise_the_original_logits_and_minus_inf_past_its_limit(tokenizer) -> None:
+    model = _int4_draft(len(tokenizer))
+    original = model.lm_head
+    head = _ranked(model, [len(tokenizer) - 1], tiers=(48,))
+    x = torch.randn(3, original.in_features)
+    expected = original(x)
+    assert torch.equal(head(x), expected)
+    with head.scoring(48):
+        limited = head(x)
+    scored = head.order[:48]
+    assert torch.equal(limited[:, scored], expected[:, scored])
+    assert torch.isneginf(limited).sum() == 3 * (len(tokenizer) - 48)
+    assert bool(torch.isfinite(limited[:, len(tokenizer) - 1]).all())  # the stop token ranks first
+    assert head.limit == len(tokenizer)  # every row again outside the block
+
+
+def test_heads_too_small_for_any_tier_stay_as_they_are(tokenizer) -> None:
+    model = tiny_model(len(tokenizer))
+    assert rank_head(model, []) is None  # not a 4-bit head
+    if native.unavailable() is None:
+        small = _int4_draft(len(tokenizer))
+        assert rank_head(small, []) is None  # fewer rows than the smallest tier
+
+
+@needs_kernel
+def test_the_tier_follows_the_ids_the_conversation_uses(tokenizer) -> None:
     v = len(tokenizer)
-    full = ModelDrafter(tiny_model(v, seed=0), "same", vocab_size=v)
-    small = truncate_draft(full, 96, always=[v - 1])
-    assert full.runner.model.get_output_embeddings().out_features == v  # the original is untouched
-    kept = set(small.rows.tolist())
-    proposed: list[int] = []
-    original = small.propose
+    head = _ranked(_int4_draft(v), [], tiers=(32, 64))
+    tiers = VocabTiers(head)
+    inside = [i % 32 for i in range(400)]
+    assert tiers.limit(inside) == 32
+    # One id in 200 past the first tier still fits it; more than that moves up a tier.
+    assert tiers.limit([*inside, 40, 41]) == 32
+    assert tiers.limit([*inside, 40, 41, 42]) == 64
+    assert tiers.limit([*inside, 40, 41, 42, v - 1, v - 2, v - 3]) == v  # past every tier: all rows
+    assert tiers.limit(inside[:10]) == 32  # a new conversation is counted afresh
+    assert MAX_MISS == 1 / 200
 
-    def spy(*args, **kwargs):
-        draft = original(*args, **kwargs)
-        proposed.extend(draft.tokens)
+
+@needs_kernel
+@pytest.mark.parametrize("auto", [False, True])
+def test_a_draft_scoring_few_rows_keeps_greedy_output_and_proposes_only_those(tokenizer, target, auto) -> None:
+    v = len(tokenizer)
+    model = _int4_draft(v)
+    head = _ranked(model, [v - 1], tiers=(96,))
+    model_drafter = ModelDrafter(model, "ranked", vocab_size=v)
+    assert model_drafter.tiers is not None
+    proposed: list[tuple[int, list[int]]] = []  # (rows scored, tokens proposed) per draft
+    original = model_drafter.propose
+
+    def spy(tokens, *args, **kwargs):
+        limit = model_drafter.tiers.limit(tokens)
+        draft = original(tokens, *args, **kwargs)
+        proposed.append((limit, list(draft.tokens)))
         return draft
 
-    small.propose = spy  # type: ignore[method-assign]
-    engine = SpeculativeEngine(target, tokenizer, small)
-    prompt = tokenizer("def add(a, b):\n    return a + b\n\nfor i in range(10):")["input_ids"]
+    model_drafter.propose = spy  # type: ignore[method-assign]
+    drafter = LookupThenModelDrafter(model_drafter) if auto else model_drafter
+    engine = SpeculativeEngine(target, tokenizer, drafter)
+    prompt = [i % 90 for i in range(7, 47)]  # ids inside the tier: the draft scores 96 rows
     done = list(engine.generate(prompt, GenerationParams(max_new_tokens=30, draft_length=4)))[-1]
     assert list(done.token_ids) == hf_greedy(target, prompt, 30)
-    assert proposed and set(proposed) <= kept
-    assert done.stats.accepted > 0
+    # The answer's own ids may leave the tier (then every row is scored); it starts inside.
+    assert proposed[0][0] == 96
+    for limit, tokens in proposed:
+        assert set(tokens) <= set(head.order[:limit].tolist())
+    assert head.limit == v
 
 
-def test_truncated_draft_gives_zero_probability_outside_its_rows(tokenizer):
+@needs_kernel
+def test_rows_left_out_get_zero_draft_probability(tokenizer) -> None:
     v = len(tokenizer)
-    small = truncate_draft(ModelDrafter(tiny_model(v, seed=2), "d", vocab_size=v), 64)
+    model = _int4_draft(v, seed=2)
+    head = _ranked(model, [], tiers=(64,))
+    drafter = ModelDrafter(model, "d", vocab_size=v)
     gen = torch.Generator().manual_seed(0)
-    draft = small.propose([1, 2, 3], 3, SamplingParams(temperature=1.0), gen)
+    draft = drafter.propose([1, 2, 3], 3, SamplingParams(temperature=1.0), gen)
     assert draft.probs is not None and draft.probs.shape == (3, v)
-    assert float(draft.probs[:, 64:].sum()) == 0.0
+    left_out = head.order[64:]
+    assert float(draft.probs[:, left_out].sum()) == 0.0
     assert torch.allclose(draft.probs.sum(dim=-1), torch.ones(3))
-
-
-def test_int8_head_is_truncated_too(tokenizer):
-    if not int8_available():
-        return
-    v = len(tokenizer)
-    model = copy.deepcopy(tiny_model(v, seed=0))
-    quantize_linears_int8(model)
-    full = ModelDrafter(model, "q", vocab_size=v)
-    small = truncate_draft(full, v)  # every row kept: the same greedy draft as the full head
-    sampling = SamplingParams()
-    assert (
-        small.propose([5, 6, 7], 4, sampling, None).tokens
-        == full.propose([5, 6, 7], 4, sampling, None).tokens
-    )
