@@ -241,3 +241,27 @@ def test_draft_with_a_larger_vocabulary_is_padded_not_trusted(tokenizer, target)
     assert list(run(engine, prompt, max_new_tokens=30, draft_length=4).token_ids) == hf_greedy(
         target, prompt, 30
     )
+
+
+@pytest.mark.parametrize("auto", [False, True])
+def test_a_draft_reads_only_the_latest_window_of_a_long_prompt_and_the_output_stays_the_targets(
+    tokenizer, target, auto
+):
+    model_drafter = ModelDrafter(perturbed(target, 0.05), "windowed")
+    model_drafter.max_catch_up, model_drafter.window = 24, 16
+    drafter = LookupThenModelDrafter(model_drafter) if auto else model_drafter
+    engine = SpeculativeEngine(target, tokenizer, drafter)
+    prompt = tokenizer(PROMPTS["code"] * 3)["input_ids"]
+    assert len(prompt) > 40
+    done = list(engine.generate(prompt, GenerationParams(max_new_tokens=24, draft_length=4)))[-1]
+    assert isinstance(done, DoneEvent)
+    assert list(done.token_ids) == hf_greedy(target, prompt, 24)
+    tokens = [*prompt, *done.token_ids]
+    start = model_drafter.window_start
+    assert 0 < start <= len(prompt) - 16 + 1  # cut once, at the first draft: the rest was read step by step
+    cached = model_drafter.runner.ids
+    assert cached == tokens[start : start + len(cached)]
+    # A short conversation after it is read whole again.
+    short = tokenizer("def f():")["input_ids"]
+    model_drafter.propose(short, 2, GenerationParams().sampling, None)
+    assert model_drafter.window_start == 0 and model_drafter.runner.ids[: len(short) - 1] == short[:-1]
