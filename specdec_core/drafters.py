@@ -331,11 +331,8 @@ class ModelDrafter:
         cached = self.runner.sync(seen[:-1])
         # Catch up on committed tokens the cache lacks (e.g. the last draft token and
         # the bonus token after an all-accepted step), then draft one token per forward.
-        pending = list(seen[cached:])
-        drafted: list[int] = []
-        dists: list[torch.Tensor] = []
         with self._scoring(tokens):
-            self._draft_tokens(pending, k, sampling, generator, reach, handoff, drafted, dists)
+            drafted, dists = self._draft_tokens(list(seen[cached:]), k, sampling, generator, reach, handoff)
         return Draft(
             tokens=drafted,
             probs=torch.stack(dists),
@@ -358,10 +355,11 @@ class ModelDrafter:
         generator: torch.Generator | None,
         reach: float,
         handoff: Callable[[Sequence[int]], bool] | None,
-        drafted: list[int],
-        dists: list[torch.Tensor],
-    ) -> None:
-        """One forward per token into `drafted` and `dists`, until k or an early stop."""
+    ) -> tuple[list[int], list[torch.Tensor]]:
+        """Tokens and their draft distributions, one forward each from `pending` (the tokens
+        the cache lacks), until k or an early stop."""
+        drafted: list[int] = []
+        dists: list[torch.Tensor] = []
         for _ in range(k):
             forward_start = time.perf_counter()
             logits = self._fit_vocab(self.runner.forward(pending, logits_to_keep=1)[-1])
@@ -383,6 +381,7 @@ class ModelDrafter:
             # The next token, about as likely as this one, would not pay for its forward.
             if self.early_stop and reach * chance < self._break_even(forward=True):
                 break
+        return drafted, dists
 
     def _break_even(self, forward: bool) -> float:
         """The chance of acceptance below which one more draft token costs more than it
