@@ -99,7 +99,10 @@ int causal_attention(const float *query, const float *key, const float *value, f
     {
         float *scores = malloc(sizeof(float) * (size_t)(keys > 0 ? keys : 1));
         if (!scores) failed = 1;
-#pragma omp for schedule(static)
+        /* Round-robin, not halves: a causal prefill's later rows see more keys, and in halves
+         * the second thread got three quarters of the work. Which thread computes a pair does
+         * not change its numbers. */
+#pragma omp for schedule(static, 1)
         for (int64_t task = 0; task < rows * heads; task++) {
             if (!scores) continue;
             int64_t r = task / heads, h = task % heads, kv = h / group;
