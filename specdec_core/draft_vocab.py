@@ -25,7 +25,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
-from .int4_cpu import Int4Linear, pack, unpack
+from .int4_cpu import Int4Linear, output_head, pack, unpack
 
 TIERS = (65_536, 100_000)  # row counts a draft may score, fewest first
 MAX_MISS = 1 / 200  # a tier serves a conversation if at most this share of its ids lie outside
@@ -78,8 +78,7 @@ class RankedHead(Int4Linear):
 
 def rank_head(model: torch.nn.Module, first: Iterable[int]) -> RankedHead | None:
     """Replace a 4-bit LM head with its ranked form (stop tokens `first`); None if it is not one."""
-    get_head = getattr(model, "get_output_embeddings", None)
-    head = get_head() if callable(get_head) else None
+    head = output_head(model)
     if isinstance(head, RankedHead) or not isinstance(head, Int4Linear) or head.out_features <= min(TIERS):
         return None
     ranked = RankedHead(head, rank_order(head.out_features, first))
@@ -98,23 +97,25 @@ class VocabTiers:
     def __init__(self, head: RankedHead) -> None:
         self.head = head
         self.tiers = head.tiers
-        self._counted: list[int] = []  # the ids counted so far (a prefix of the conversation)
+        self._counted = 0  # how many of the conversation's ids are counted
+        self._last = -1  # the last of them: another conversation differs there (or is shorter)
         self._outside = [0] * len(self.tiers)
 
     def limit(self, tokens: Sequence[int]) -> int:
         self._count(tokens)
-        n = len(self._counted)
+        n = self._counted
         for tier, outside in zip(self.tiers, self._outside, strict=True):
             if n and outside <= MAX_MISS * n:
                 return tier
         return self.head.out_features
 
     def _count(self, tokens: Sequence[int]) -> None:
-        done = len(self._counted)
-        if done > len(tokens) or (done and tokens[done - 1] != self._counted[-1]):
-            self._counted, self._outside, done = [], [0] * len(self.tiers), 0  # another conversation
+        done = self._counted
+        if done > len(tokens) or (done and tokens[done - 1] != self._last):
+            self._outside, done = [0] * len(self.tiers), 0  # another conversation
         new = [t for t in tokens[done:] if 0 <= t < self.head.out_features]
-        self._counted.extend(tokens[done:])
+        self._counted = len(tokens)
+        self._last = tokens[-1] if tokens else -1
         if not new or not self.tiers:
             return
         ranks = self.head.rank[torch.tensor(new, dtype=torch.long)]

@@ -30,6 +30,7 @@ import torch
 
 from .adaptive import ConfidenceCalibration, CostModel, DraftLengthController
 from .draft_vocab import RankedHead, VocabTiers
+from .int4_cpu import output_head
 from .kvcache import CachedModel
 from .policy import PLAIN, Choice, SourcePolicy
 from .sampling import SamplingParams, sample
@@ -234,8 +235,7 @@ class ModelDrafter:
         # The target's vocabulary size: a draft with extra rows never proposes ids
         # the target cannot score, and its q is padded to the target's V.
         self.vocab_size = vocab_size
-        get_head = getattr(model, "get_output_embeddings", None)
-        head = get_head() if callable(get_head) else None
+        head = output_head(model)
         # A ranked head scores only the ids this conversation is likely to need (draft_vocab.py).
         self.tiers = VocabTiers(head) if isinstance(head, RankedHead) else None
         self.costs = CostModel()
@@ -262,20 +262,28 @@ class ModelDrafter:
         self.window_start = 0
 
     def sync(self, tokens: Sequence[int]) -> None:
+        self.runner.sync(self._view(tokens))
+
+    def _view(self, tokens: Sequence[int]) -> Sequence[int]:
+        """`tokens` from where the draft's cache starts (`window_start`)."""
         if self.window_start >= len(tokens):
             self.reset()  # a shorter conversation than the one the window was cut from
-        self.runner.sync(tokens[self.window_start :])
-
-    def _window(self, tokens: Sequence[int]) -> Sequence[int]:
-        """The part of `tokens` the draft reads: all of it, unless that would mean reading more
-        than `max_catch_up` new tokens at once (a long pasted prompt); then only the last
-        `window` of them, as if the conversation began there. The draft's numbers only
-        choose what the target checks, so a shorter context costs acceptance, never exactness."""
-        self.sync(tokens)
-        if len(tokens) - self.window_start - len(self.runner.ids) > self.max_catch_up:
-            self.runner.reset()
-            self.window_start = max(0, len(tokens) - self.window)
         return tokens[self.window_start :]
+
+    def _window(self, tokens: Sequence[int]) -> tuple[Sequence[int], int]:
+        """The part of `tokens` the draft reads, and how many of them its cache holds (at most
+        all but the last: a forward needs an input). That is all of `tokens`, unless it would
+        mean reading more than `max_catch_up` new tokens at once (a long pasted prompt); then
+        only the last `window` of them, as if the conversation began there. The draft's
+        numbers only choose what the target checks, so a shorter context costs acceptance,
+        never exactness."""
+        seen = self._view(tokens)
+        cached = self.runner.sync(seen[:-1])
+        if len(seen) - cached <= self.max_catch_up:
+            return seen, cached
+        self.runner.reset()
+        self.window_start = max(0, len(tokens) - self.window)
+        return tokens[self.window_start :], 0
 
     def runners(self) -> tuple[CachedModel, ...]:
         return (self.runner,)
@@ -326,9 +334,7 @@ class ModelDrafter:
             return Draft(tokens=[], probs=None, seconds=0.0)
         start = time.perf_counter()
         forwards_before = self.runner.forwards
-        seen = self._window(tokens)
-        # Keep at most all-but-the-last token: the first forward needs an input.
-        cached = self.runner.sync(seen[:-1])
+        seen, cached = self._window(tokens)
         # Catch up on committed tokens the cache lacks (e.g. the last draft token and
         # the bonus token after an all-accepted step), then draft one token per forward.
         with self._scoring(tokens):

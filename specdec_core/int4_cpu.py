@@ -192,7 +192,7 @@ class Int4Linear(nn.Module):
 def quantize_linears_int4(model: nn.Module) -> int:
     """Every nn.Linear to 4 bits in place, but the LM head (6 bits) and any that does not fit
     (int8); returns how many took 4 bits."""
-    head = _output_head(model)
+    head = output_head(model)
     four_bit = 0
     for name, linear in [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]:
         if not fits(linear):
@@ -211,7 +211,7 @@ def head_to_int4(model: nn.Module) -> bool:
     Only for drafts: the target verifies every token, so a draft's head may round more,
     and at 4 bits the 0.5B draft's 151,936-row head is ~85 MB a step instead of ~119 (6 bits).
     """
-    head = _output_head(model)
+    head = output_head(model)
     if isinstance(head, Int4Linear) and head.bits == 4:
         return False
     if not isinstance(head, (PerTokenInt8Linear, Int4Linear)) or head.in_features % GROUP:
@@ -225,7 +225,8 @@ def head_to_int4(model: nn.Module) -> bool:
     return True
 
 
-def _output_head(model: nn.Module) -> nn.Module | None:
+def output_head(model: nn.Module) -> nn.Module | None:
+    """The model's LM head module, or None where it has none."""
     output_embeddings = getattr(model, "get_output_embeddings", None)
     return output_embeddings() if callable(output_embeddings) else None
 
