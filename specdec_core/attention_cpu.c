@@ -13,7 +13,6 @@
  * head h / (heads / kv_heads).
  * dim is a multiple of 16 and at most 16 * MAX_CHUNKS.
  */
-#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -26,16 +25,16 @@
  * vector's lanes are added in the same order, ((e0 + e2) + (e1 + e3)) within each 128-bit
  * lane and then ((L0 + L2) + (L1 + L3)) across them, whichever slot it sits in: a key's
  * score does not depend on the keys scored beside it. */
-static inline __m512 lane_sums16(const __m512 v[16]) {
-    __m512 a[8], b[4];
+static inline v16f lane_sums16(const v16f v[16]) {
+    v16f a[8], b[4];
     for (int i = 0; i < 8; i++)
-        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+        a[i] = v16_add_ps(v16_unpacklo_ps(v[2 * i], v[2 * i + 1]), v16_unpackhi_ps(v[2 * i], v[2 * i + 1]));
     for (int i = 0; i < 4; i++)
-        b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0x44),
-                             _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0xEE));
-    __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x44), _mm512_shuffle_f32x4(b[0], b[1], 0xEE));
-    __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x44), _mm512_shuffle_f32x4(b[2], b[3], 0xEE));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD));
+        b[i] = v16_add_ps(v16_shuffle_ps(a[2 * i], a[2 * i + 1], 0x44),
+                             v16_shuffle_ps(a[2 * i], a[2 * i + 1], 0xEE));
+    v16f s01 = v16_add_ps(v16_shuffle_f32x4(b[0], b[1], 0x44), v16_shuffle_f32x4(b[0], b[1], 0xEE));
+    v16f s23 = v16_add_ps(v16_shuffle_f32x4(b[2], b[3], 0x44), v16_shuffle_f32x4(b[2], b[3], 0xEE));
+    return v16_add_ps(v16_shuffle_f32x4(s01, s23, 0x88), v16_shuffle_f32x4(s01, s23, 0xDD));
 }
 
 /* scale * q.k for keys k[0 .. count - 1] (count <= 16) into scores; returns their maximum.
@@ -44,17 +43,17 @@ static inline __m512 lane_sums16(const __m512 v[16]) {
 static inline float score_block(const float *q, const float *k, int64_t count, int64_t dim, float scale,
                                 float *scores) {
     int64_t chunks = dim / 16;
-    __m512 acc[16];
+    v16f acc[16];
     for (int64_t j = 0; j < 16; j++) {
-        acc[j] = _mm512_setzero_ps();
+        acc[j] = v16_setzero_ps();
         if (j >= count) continue;
         for (int64_t c = 0; c < chunks; c++)
-            acc[j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * c), _mm512_loadu_ps(k + j * dim + 16 * c), acc[j]);
+            acc[j] = v16_fmadd_ps(v16_loadu_ps(q + 16 * c), v16_loadu_ps(k + j * dim + 16 * c), acc[j]);
     }
-    __mmask16 mask = count >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << count) - 1u);
-    __m512 scored = _mm512_mul_ps(_mm512_set1_ps(scale), lane_sums16(acc));
-    _mm512_mask_storeu_ps(scores, mask, scored);
-    return _mm512_mask_reduce_max_ps(mask, scored);
+    v16mask mask = count >= 16 ? (v16mask)0xFFFF : (v16mask)((1u << count) - 1u);
+    v16f scored = v16_mul_ps(v16_set1_ps(scale), lane_sums16(acc));
+    v16_mask_storeu_ps(scores, mask, scored);
+    return v16_mask_reduce_max_ps(mask, scored);
 }
 
 /* One query row over n keys: out = softmax(scale * q.k) . v; `scores` holds n floats. */
@@ -66,23 +65,23 @@ static void attend_row(const float *q, const float *k, const float *v, int64_t n
         int64_t count = n - j < 16 ? n - j : 16;
         top = fmaxf(top, score_block(q, k + j * dim, count, dim, scale, scores + j));
     }
-    __m512 total = _mm512_setzero_ps();
+    v16f total = v16_setzero_ps();
     for (int64_t j = 0; j < n; j += 16) {
-        __mmask16 mask = n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1u);
-        __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, scores + j), _mm512_set1_ps(top)));
-        total = _mm512_mask_add_ps(total, mask, total, e);
-        _mm512_mask_storeu_ps(scores + j, mask, e);
+        v16mask mask = n - j >= 16 ? (v16mask)0xFFFF : (v16mask)((1u << (n - j)) - 1u);
+        v16f e = exp16(v16_sub_ps(v16_maskz_loadu_ps(mask, scores + j), v16_set1_ps(top)));
+        total = v16_mask_add_ps(total, mask, total, e);
+        v16_mask_storeu_ps(scores + j, mask, e);
     }
-    float inverse = 1.0f / _mm512_reduce_add_ps(total);
-    __m512 acc[MAX_CHUNKS];
-    for (int64_t c = 0; c < chunks; c++) acc[c] = _mm512_setzero_ps();
+    float inverse = 1.0f / v16_reduce_add_ps(total);
+    v16f acc[MAX_CHUNKS];
+    for (int64_t c = 0; c < chunks; c++) acc[c] = v16_setzero_ps();
     for (int64_t j = 0; j < n; j++) {
-        __m512 weight = _mm512_set1_ps(scores[j]);
+        v16f weight = v16_set1_ps(scores[j]);
         for (int64_t c = 0; c < chunks; c++)
-            acc[c] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(v + j * dim + 16 * c), acc[c]);
+            acc[c] = v16_fmadd_ps(weight, v16_loadu_ps(v + j * dim + 16 * c), acc[c]);
     }
     for (int64_t c = 0; c < chunks; c++)
-        _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(acc[c], _mm512_set1_ps(inverse)));
+        v16_storeu_ps(out + 16 * c, v16_mul_ps(acc[c], v16_set1_ps(inverse)));
 }
 
 /* Row r is the token at keys - rows + r: it sees keys up to and including that one, the last

@@ -1,5 +1,5 @@
-/* 4-bit (or 6-bit) weights x 8-bit activations on AVX-512 VNNI, the same numbers for any
- * row count.
+/* 4-bit (or 6-bit) weights x 8-bit activations on AVX-512 VNNI or AVX2, the same numbers
+ * for any row count and on either.
  *
  * Weights: asymmetric, one fp16 scale and one fp16 minimum per 32 inputs of each output
  * channel (w = scale * q + min, q in 0..15, or 0..63 at 6 bits). Activations: symmetric
@@ -7,7 +7,7 @@
  *
  *     a * (scale * sum(q * xq) + min * sum(xq))
  *
- * with the integer sum exact (vpdpbusd), so every (row, channel) result depends only on
+ * with the integer sum exact (vpdpbusd, or vpmaddubsw and vpmaddwd on AVX2), so every (row, channel) result depends only on
  * that row and that channel: not on how many rows are multiplied together, nor on which
  * thread computes it. That is what keeps speculative decoding exact (int4_cpu.py).
  *
@@ -24,7 +24,12 @@
 
 #define GROUP 32
 #define LANES 16
-#define TILE 8 /* rows multiplied per pass over a block's weights */
+/* Rows multiplied per pass over a block's weights: as many as the registers hold. */
+#ifdef __AVX512F__
+#define TILE 8
+#else
+#define TILE 4
+#endif
 /* Groups ahead to prefetch, measured on the 1.5B's layers, 1 row, 2 threads: on an AMD EPYC
  * (4 KB pages) none 51 ms, 4 ahead 46, 8 ahead 40, 16 ahead 39; on an Intel Xeon with the
  * weights in 2 MB pages (huge_pages.py) none 38-40 ms, 4 ahead 32-34, 8 ahead 33, 16 ahead
@@ -51,6 +56,7 @@ static void quantize_row(const float *x, int64_t k, int8_t *q, float *scale, flo
     }
 }
 
+#ifdef __AVX512F__
 /* The 8 weight vectors of a group: bytes 0..15 (4 bits) or 0..63 (6 bits) for vpdpbusd. */
 static inline __attribute__((always_inline)) void unpack_group(const uint8_t *blk, int bits, __m512i wv[8]) {
     const __m512i nibble = _mm512_set1_epi8(0x0F);
@@ -119,6 +125,80 @@ static inline __attribute__((always_inline)) void block_tile(
     for (int r = 0; r < rows; r++) _mm512_mask_storeu_ps(y + r * n_out + col, mask, acc[r]);
 }
 
+#else
+/* AVX2. A block is two halves of 8 channels (bytes 32h..32h+31 of each 64-byte vector and
+ * the half's scales), each taken over all the groups, so that a half's weights and its rows'
+ * sums and accumulators fit in AVX2's 16 registers; the second half's bytes are still in
+ * the cache. vpmaddubsw adds pairs of products into int16 lanes, exact while a lane stays
+ * within int16: at 4 bits a group's 8 vectors together reach at most 8 x 2 x 15 x 128 =
+ * 30,720, at 6 bits two vectors 2 x 2 x 63 x 128 = 32,256. vpmaddwd then adds neighbouring
+ * lanes into the int32 sums vpdpbusd gives, and the float operations that follow are the
+ * AVX-512 build's, lane for lane: the same numbers. */
+static inline __attribute__((always_inline)) void half_tile(
+    const uint8_t *w, int64_t groups, const int8_t *q, const float *scale, const float *scaled_sum,
+    int64_t k, int rows, int bits, const float *bias, float *y, int64_t n_out, int64_t col, int half) {
+    __m256 acc[TILE];
+    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
+    const int64_t block_bytes = BLOCK_BYTES(bits);
+    const __m256i nibble = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30), ones = _mm256_set1_epi16(1);
+    const int per_sum = bits == 6 ? 2 : 8; /* vectors added in int16 before widening */
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *blk = w + g * block_bytes;
+        if (half == 0)
+            for (int line = 0; line < block_bytes; line += 64)
+                _mm_prefetch((const char *)(blk + PREFETCH * block_bytes + line), _MM_HINT_T0);
+        __m256i wv[8];
+        for (int t = 0; t < 4; t++) {
+            __m256i packed = _mm256_loadu_si256((const __m256i *)(blk + 64 * t + 32 * half));
+            wv[2 * t] = _mm256_and_si256(packed, nibble);
+            wv[2 * t + 1] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
+        }
+        if (bits == 6) {
+            for (int h = 0; h < 2; h++) {
+                __m256i high = _mm256_loadu_si256((const __m256i *)(blk + 256 + 64 * h + 32 * half));
+                wv[4 * h] = _mm256_or_si256(wv[4 * h], _mm256_and_si256(_mm256_slli_epi16(high, 4), top));
+                wv[4 * h + 1] = _mm256_or_si256(wv[4 * h + 1], _mm256_and_si256(_mm256_slli_epi16(high, 2), top));
+                wv[4 * h + 2] = _mm256_or_si256(wv[4 * h + 2], _mm256_and_si256(high, top));
+                wv[4 * h + 3] = _mm256_or_si256(wv[4 * h + 3], _mm256_and_si256(_mm256_srli_epi16(high, 2), top));
+            }
+        }
+        const uint8_t *scales = blk + block_bytes - SCALE_BYTES + 16 * half;
+        for (int r = 0; r < rows; r++) {
+            const int32_t *xq = (const int32_t *)(q + r * k + g * GROUP);
+            __m256i sum = _mm256_setzero_si256();
+            for (int c = 0; c < 8; c += per_sum) {
+                __m256i pairs = _mm256_maddubs_epi16(wv[c], _mm256_set1_epi32(xq[c]));
+                for (int j = 1; j < per_sum; j++)
+                    pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(wv[c + j], _mm256_set1_epi32(xq[c + j])));
+                sum = _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, ones));
+            }
+            __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)scales));
+            __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + 32)));
+            __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(sum), s);
+            acc[r] = _mm256_fmadd_ps(f, _mm256_set1_ps(scale[r * groups + g]), acc[r]);
+            acc[r] = _mm256_fmadd_ps(mn, _mm256_set1_ps(scaled_sum[r * groups + g]), acc[r]);
+        }
+    }
+    int64_t first = col + 8 * half, valid = n_out - first < 8 ? n_out - first : 8;
+    if (valid <= 0) return;
+    __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)valid), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    if (bias) {
+        __m256 b = _mm256_maskload_ps(bias + first, mask);
+        for (int r = 0; r < rows; r++) acc[r] = _mm256_add_ps(acc[r], b);
+    }
+    for (int r = 0; r < rows; r++) _mm256_maskstore_ps(y + r * n_out + first, mask, acc[r]);
+}
+
+static inline __attribute__((always_inline)) void block_tile(
+    const uint8_t *w, int64_t groups, const int8_t *q, const float *scale, const float *scaled_sum,
+    int64_t k, int rows, int bits, const float *bias, float *y, int64_t n_out, int64_t col) {
+    half_tile(w, groups, q, scale, scaled_sum, k, rows, bits, bias, y, n_out, col, 0);
+    half_tile(w, groups, q, scale, scaled_sum, k, rows, bits, bias, y, n_out, col, 1);
+}
+#endif
+
+/* Tiles have at most TILE rows; CAP keeps the cases past it (AVX2) valid code that never runs. */
+#define CAP(rows) ((rows) < TILE ? (rows) : TILE)
 #define BLOCK_ROWS(bits)                                                                            \
     static void block_rows_##bits(const uint8_t *w, int64_t groups, const int8_t *q, const float *scale, \
                                   const float *scaled_sum, int64_t k, int rows, const float *bias,      \
@@ -128,15 +208,16 @@ static inline __attribute__((always_inline)) void block_tile(
             case 2: block_tile(w, groups, q, scale, scaled_sum, k, 2, bits, bias, y, n_out, col); break; \
             case 3: block_tile(w, groups, q, scale, scaled_sum, k, 3, bits, bias, y, n_out, col); break; \
             case 4: block_tile(w, groups, q, scale, scaled_sum, k, 4, bits, bias, y, n_out, col); break; \
-            case 5: block_tile(w, groups, q, scale, scaled_sum, k, 5, bits, bias, y, n_out, col); break; \
-            case 6: block_tile(w, groups, q, scale, scaled_sum, k, 6, bits, bias, y, n_out, col); break; \
-            case 7: block_tile(w, groups, q, scale, scaled_sum, k, 7, bits, bias, y, n_out, col); break; \
+            case 5: block_tile(w, groups, q, scale, scaled_sum, k, CAP(5), bits, bias, y, n_out, col); break; \
+            case 6: block_tile(w, groups, q, scale, scaled_sum, k, CAP(6), bits, bias, y, n_out, col); break; \
+            case 7: block_tile(w, groups, q, scale, scaled_sum, k, CAP(7), bits, bias, y, n_out, col); break; \
             default: block_tile(w, groups, q, scale, scaled_sum, k, TILE, bits, bias, y, n_out, col);    \
         }                                                                                               \
     }
 BLOCK_ROWS(4)
 BLOCK_ROWS(6)
 #undef BLOCK_ROWS
+#undef CAP
 
 /* y [rows, n_out] = x [rows, k] times the packed weights of `bits` (4 or 6), plus bias [n_out]
  * unless it is NULL (one float add, as `y += bias` would); 0, or -1 when out of memory (or

@@ -4,7 +4,6 @@
  * keep a token's numbers independent of how many tokens share a forward. Compiled with
  * -ffp-contract=off (native.py): a multiply and an add stay two roundings, as in torch.
  */
-#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -24,13 +23,13 @@ void rms_norm(const float *x, const float *weight, float *y, int64_t rows, int64
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * dim;
         float *yr = y + r * dim;
-        __m512 squares = _mm512_setzero_ps();
+        v16f squares = v16_setzero_ps();
         int64_t i = 0;
         for (; i + 16 <= dim; i += 16) {
-            __m512 v = _mm512_loadu_ps(xr + i);
-            squares = _mm512_add_ps(squares, _mm512_mul_ps(v, v));
+            v16f v = v16_loadu_ps(xr + i);
+            squares = v16_add_ps(squares, v16_mul_ps(v, v));
         }
-        float total = _mm512_reduce_add_ps(squares);
+        float total = v16_reduce_add_ps(squares);
         for (; i < dim; i++) total += xr[i] * xr[i];
         float inverse = 1.0f / sqrtf(total / (float)dim + eps);
         for (i = 0; i < dim; i++) yr[i] = weight[i] * (xr[i] * inverse);
@@ -58,17 +57,17 @@ void rotary(const float *x, int64_t row_stride, const float *cos, const float *s
  * with our own e^x (simd_math.h), so every path of a layer computes the same numbers. e^x
  * is only taken of -|g|: g * e^g / (1 + e^g) for negative g, the same value without overflow. */
 void silu_mul(const float *gate_up, float *out, int64_t rows, int64_t n) {
-    const __m512 one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
+    const v16f one = v16_set1_ps(1.0f), zero = v16_setzero_ps();
     for (int64_t r = 0; r < rows; r++) {
         const float *gate = gate_up + r * 2 * n, *up = gate + n;
         for (int64_t i = 0; i < n; i += 16) {
-            __mmask16 mask = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1u);
-            __m512 g = _mm512_maskz_loadu_ps(mask, gate + i);
-            __m512 e = exp16(_mm512_sub_ps(zero, _mm512_abs_ps(g)));
-            __mmask16 negative = _mm512_cmp_ps_mask(g, zero, _CMP_LT_OQ);
-            __m512 numerator = _mm512_mask_mul_ps(g, negative, g, e);
-            __m512 silu = _mm512_div_ps(numerator, _mm512_add_ps(one, e));
-            _mm512_mask_storeu_ps(out + r * n + i, mask, _mm512_mul_ps(silu, _mm512_maskz_loadu_ps(mask, up + i)));
+            v16mask mask = n - i >= 16 ? (v16mask)0xFFFF : (v16mask)((1u << (n - i)) - 1u);
+            v16f g = v16_maskz_loadu_ps(mask, gate + i);
+            v16f e = exp16(v16_sub_ps(zero, v16_abs_ps(g)));
+            v16mask negative = v16_cmp_ps_mask(g, zero, _CMP_LT_OQ);
+            v16f numerator = v16_mask_mul_ps(g, negative, g, e);
+            v16f silu = v16_div_ps(numerator, v16_add_ps(one, e));
+            v16_mask_storeu_ps(out + r * n + i, mask, v16_mul_ps(silu, v16_maskz_loadu_ps(mask, up + i)));
         }
     }
 }

@@ -2,7 +2,7 @@
 
 Precision choices (`auto` picks the fastest that fits and says what it chose):
 - CPU: `int4` is our batch-invariant 4-bit kernel (int4_cpu; ~0.6 of int8's bytes a
-  step; it needs AVX-512 VNNI and a C compiler, and `auto` takes it where it runs);
+  step; it needs AVX2 (or AVX-512 VNNI) and a C compiler, and `auto` takes it where it runs);
   `int8` our batch-invariant per-token int8 (see quant_cpu; ~4x fp32 here),
   `bf16`, `fp32`; `nf4` goes through bitsandbytes' CPU backend (slow: measured 2.1
   tok/s on a 0.5B vs 14 for our int8), allowed but never picked by `auto`.

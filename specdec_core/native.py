@@ -11,9 +11,14 @@ The sources ship with the package. The first use compiles them with the system's
 compiler (a second or two) into `<cache>/kernels/native-<key>.so`, the key a hash of
 the sources, compiler and flags; the file is renamed into place when complete, and a
 damaged one is deleted and compiled again. The library links the OpenMP runtime torch
-already loaded, so the two share one thread pool. No compiler, a failed compile or a
-CPU without AVX-512 VNNI: `unavailable()` says why in one line, `int4` is refused at
-load, and attention takes transformers' own path row by row.
+already loaded, so the two share one thread pool.
+
+The kernels are written for 16-lane vectors (simd16.h). A CPU with AVX-512 VNNI gets
+them as AVX-512 instructions; one with AVX2, FMA and F16C (most desktop CPUs since
+2013-2015, Intel's recent consumer chips included) gets each vector as two 256-bit
+halves. Both builds compute the same numbers. No compiler, a failed compile or a CPU
+with neither: `unavailable()` says why in one line, `int4` is refused at load, and
+attention takes transformers' own path row by row.
 """
 
 from __future__ import annotations
@@ -29,19 +34,15 @@ from pathlib import Path
 from .cache import kernels_dir
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("int4_cpu.c", "attention_cpu.c", "layers_cpu.c"))
-HEADERS = (Path(__file__).with_name("simd_math.h"),)
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("simd16.h", "simd_math.h"))
 # -ffp-contract=off: a multiply then an add round twice, as torch's separate ops do.
-FLAGS = (
-    "-O3",
-    "-mavx512f",
-    "-mavx512bw",
-    "-mavx512vnni",
-    "-mf16c",
-    "-mfma",
-    "-ffp-contract=off",
-    "-fopenmp",
-    "-shared",
-    "-fPIC",
+COMMON_FLAGS = ("-O3", "-mf16c", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
+# The instruction sets, best first: the CPU flags each needs (as /proc/cpuinfo names
+# them) and the compiler flags that select it.
+ISAS = (
+    ("avx512-vnni", frozenset({"avx512f", "avx512bw", "avx512_vnni", "f16c", "fma"}),
+     ("-mavx512f", "-mavx512bw", "-mavx512vnni")),
+    ("avx2", frozenset({"avx2", "f16c", "fma"}), ("-mavx2",)),
 )
 _INT4_ADVICE = "use --precision int8"
 
@@ -70,9 +71,10 @@ def library() -> ctypes.CDLL:
 def _load() -> ctypes.CDLL | KernelUnavailable:
     """The library, or why not: tried once per process (a failed compile is not retried per load)."""
     try:
-        if not _cpu_has_vnni():
-            raise KernelUnavailable(f"int4 needs a CPU with AVX-512 VNNI; {_INT4_ADVICE}")
-        lib = _open(_build())
+        flags = _isa_flags(_cpu_flags())
+        if flags is None:
+            raise KernelUnavailable(f"int4 needs a CPU with AVX2, FMA and F16C (or AVX-512 VNNI); {_INT4_ADVICE}")
+        lib = _open(flags)
     except KernelUnavailable as exc:
         return exc
     pointer, size, c_int, c_float = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -93,31 +95,41 @@ def _load() -> ctypes.CDLL | KernelUnavailable:
     return lib
 
 
-def _open(built: Path) -> ctypes.CDLL:
-    """Load the compiled library; a damaged one is deleted and compiled again, once."""
+def _open(isa_flags: tuple[str, ...]) -> ctypes.CDLL:
+    """Build (or find) and load the library; a damaged one is deleted and compiled again, once."""
+    built = _build(isa_flags)
     try:
         return ctypes.CDLL(str(built))
     except OSError:
         built.unlink(missing_ok=True)
     try:
-        return ctypes.CDLL(str(_build()))
+        return ctypes.CDLL(str(_build(isa_flags)))
     except OSError as exc:
         raise KernelUnavailable(f"the compiled CPU kernels do not load ({exc}); {_INT4_ADVICE}") from exc
 
 
-def _cpu_has_vnni() -> bool:
-    """From the kernel's flags for the CPU (Linux); elsewhere the kernels are not offered."""
+def isa() -> str | None:
+    """The instruction set the kernels are built for on this CPU ("avx512-vnni", "avx2"), or None."""
+    return next((name for name, needs, _ in ISAS if needs <= _cpu_flags()), None)
+
+
+def _isa_flags(cpu: frozenset[str]) -> tuple[str, ...] | None:
+    """The compiler flags of the best instruction set the CPU has, or None when it has none."""
+    return next((flags for _, needs, flags in ISAS if needs <= cpu), None)
+
+
+def _cpu_flags() -> frozenset[str]:
+    """From the kernel's flags for the CPU (Linux); elsewhere none, and the kernels are not offered."""
     try:
         info = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
     except OSError:
-        return False
-    flags = next(
-        (line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []
+        return frozenset()
+    return frozenset(
+        next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
     )
-    return {"avx512f", "avx512bw", "avx512_vnni", "f16c", "fma"} <= set(flags)
 
 
-def _build() -> Path:
+def _build(isa_flags: tuple[str, ...]) -> Path:
     """The compiled library in the cache folder, compiling it first if needed."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler:
@@ -126,7 +138,8 @@ def _build() -> Path:
         )
     try:
         text = b"".join(source.read_bytes() for source in (*SOURCES, *HEADERS))
-        key = hashlib.sha256(text + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
+        flags = (*COMMON_FLAGS, *isa_flags)
+        key = hashlib.sha256(text + " ".join((compiler, *flags)).encode()).hexdigest()[:16]
         built = kernels_dir() / f"native-{key}.so"
         if built.exists():
             return built
@@ -136,7 +149,7 @@ def _build() -> Path:
     partial = built.with_name(f"{built.name}.{os.getpid()}.tmp")  # renamed into place when complete
     try:
         done = subprocess.run(
-            [compiler, *FLAGS, *map(str, SOURCES), "-o", str(partial)],
+            [compiler, *flags, *map(str, SOURCES), "-o", str(partial)],
             capture_output=True,
             text=True,
             timeout=300,

@@ -2,23 +2,23 @@
 #ifndef SPECDEC_SIMD_MATH_H
 #define SPECDEC_SIMD_MATH_H
 
-#include <immintrin.h>
+#include "simd16.h"
 
 /* e^x in each lane, x <= 0 (Cephes' expf polynomial, ~2 ulp); below -87 it is ~0. */
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+static inline v16f exp16(v16f x) {
+    x = v16_max_ps(x, v16_set1_ps(-87.0f));
+    v16f n = v16_roundscale_ps(v16_mul_ps(x, v16_set1_ps(1.44269504088896341f)),
                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
+    v16f r = v16_fnmadd_ps(n, v16_set1_ps(0.693359375f), x);
+    r = v16_fnmadd_ps(n, v16_set1_ps(-2.12194440e-4f), r);
+    v16f p = v16_set1_ps(1.9875691500e-4f);
+    p = v16_fmadd_ps(p, r, v16_set1_ps(1.3981999507e-3f));
+    p = v16_fmadd_ps(p, r, v16_set1_ps(8.3334519073e-3f));
+    p = v16_fmadd_ps(p, r, v16_set1_ps(4.1665795894e-2f));
+    p = v16_fmadd_ps(p, r, v16_set1_ps(1.6666665459e-1f));
+    p = v16_fmadd_ps(p, r, v16_set1_ps(5.0000001201e-1f));
+    p = v16_fmadd_ps(p, v16_mul_ps(r, r), v16_add_ps(r, v16_set1_ps(1.0f)));
+    return v16_scalef_ps(p, n);
 }
 
 #endif
