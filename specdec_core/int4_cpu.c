@@ -255,3 +255,76 @@ int int4_linear(const uint8_t *w, int64_t n_out, int64_t k, const float *x, int6
     free(q), free(scale), free(scaled_sum);
     return 0;
 }
+
+/* fp32 -> fp16 -> fp32, rounding to nearest even as torch's .half() does. */
+static inline float to_half(float x, uint16_t *bits) {
+    *bits = _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT);
+    return _cvtsh_ss(*bits);
+}
+
+/* The smallest and largest of 8 lanes. */
+static inline float lanes_min(__m256 v) {
+    __m128 m = _mm_min_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_min_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_min_ss(m, _mm_movehdup_ps(m)));
+}
+static inline float lanes_max(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+/* One channel's group of 32 weights: its q values and fp16 scale and minimum, the same IEEE
+ * operations as int4_cpu.quantize (torch): a subtraction, a division, rounding half to even,
+ * a clamp; so the same bytes. */
+static void quantize_group(const float *w, int top, uint8_t q[GROUP], uint16_t *scale, uint16_t *minimum) {
+    __m256 x[4];
+    for (int j = 0; j < 4; j++) x[j] = _mm256_loadu_ps(w + 8 * j);
+    float lo = lanes_min(_mm256_min_ps(_mm256_min_ps(x[0], x[1]), _mm256_min_ps(x[2], x[3])));
+    float hi = lanes_max(_mm256_max_ps(_mm256_max_ps(x[0], x[1]), _mm256_max_ps(x[2], x[3])));
+    float low = to_half(lo, minimum);
+    float step = to_half((hi - low) / (float)top, scale);
+    int32_t values[GROUP];
+    for (int j = 0; j < 4; j++) {
+        __m256 v = _mm256_div_ps(_mm256_sub_ps(x[j], _mm256_set1_ps(low)), _mm256_set1_ps(step));
+        v = _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        v = _mm256_min_ps(_mm256_max_ps(v, _mm256_setzero_ps()), _mm256_set1_ps((float)top));
+        _mm256_storeu_si256((__m256i *)(values + 8 * j), _mm256_cvtps_epi32(v));
+    }
+    for (int i = 0; i < GROUP; i++) q[i] = step > 0.0f ? (uint8_t)values[i] : 0;
+}
+
+/* The packed layout above from fp32 weights [n_out, k], as int4_cpu.pack(*quantize(w)) makes
+ * it: `packed` holds ceil(n_out / 16) * (k / 32) * BLOCK_BYTES(bits) bytes, channels past n_out
+ * zero. Weights must be finite (int4_cpu.fits). 0, or -1 when k or bits do not fit. */
+int int4_pack(const float *w, int64_t n_out, int64_t k, int bits, uint8_t *packed, int threads) {
+    if ((bits != 4 && bits != 6) || k % GROUP) return -1;
+    int64_t groups = k / GROUP, blocks = (n_out + LANES - 1) / LANES, block_bytes = BLOCK_BYTES(bits);
+    int top = (1 << bits) - 1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        for (int64_t g = 0; g < groups; g++) {
+            uint8_t *blk = packed + (b * groups + g) * block_bytes, q[GROUP];
+            uint16_t *scales = (uint16_t *)(blk + block_bytes - SCALE_BYTES);
+            for (int i = 0; i < block_bytes; i++) blk[i] = 0;
+            for (int c = 0; c < LANES && b * LANES + c < n_out; c++) {
+                quantize_group(w + (b * LANES + c) * k + g * GROUP, top, q, &scales[c], &scales[LANES + c]);
+                /* Vector t, byte 4c + i: input 8t + i low, 8t + 4 + i high. At 6 bits the top
+                 * 2 bits of unpacked vector m = 2t + half sit in vector m / 4, bits 2 (m % 4). */
+                for (int t = 0; t < 4; t++) {
+                    for (int i = 0; i < 4; i++) {
+                        uint8_t first = q[8 * t + i], second = q[8 * t + 4 + i];
+                        blk[64 * t + 4 * c + i] = (uint8_t)((first & 0x0F) | ((second & 0x0F) << 4));
+                        if (bits != 6) continue;
+                        for (int half = 0; half < 2; half++) {
+                            int m = 2 * t + half;
+                            uint8_t top_bits = (uint8_t)(((half ? second : first) >> 4) & 3);
+                            blk[256 + 64 * (m / 4) + 4 * c + i] |= (uint8_t)(top_bits << (2 * (m % 4)));
+                        }
+                    }
+                }
+            }
+        }
+    }
+    return 0;
+}

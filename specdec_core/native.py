@@ -80,6 +80,8 @@ def _load() -> ctypes.CDLL | KernelUnavailable:
     pointer, size, c_int, c_float = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     lib.int4_linear.argtypes = [pointer, size, size, pointer, size, pointer, pointer, c_int, c_int]
     lib.int4_linear.restype = c_int
+    lib.int4_pack.argtypes = [pointer, size, size, c_int, pointer, c_int]
+    lib.int4_pack.restype = c_int
     lib.causal_attention.argtypes = [pointer] * 4 + [size] * 6 + [c_float, size, c_int]
     lib.causal_attention.restype = c_int
     lib.rms_norm.argtypes = [pointer, pointer, pointer, size, size, c_float]

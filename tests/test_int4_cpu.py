@@ -104,6 +104,40 @@ def test_stacked_linears_compute_their_parts_side_by_side_exactly() -> None:
 
 
 @needs_kernel
+@needs_kernel
+@pytest.mark.parametrize("bits", [4, 6])
+@pytest.mark.parametrize("out_features", [40, 64])
+def test_packing_in_c_gives_the_bytes_of_quantize_then_pack(bits: int, out_features: int) -> None:
+    generator = torch.Generator().manual_seed(bits + out_features)
+    weight = torch.randn(out_features, 128, generator=generator) * torch.logspace(-6, 3, 128)  # many scales
+    weight[0, :32] = 0.37  # a constant group: step 0
+    weight[1, 32:64] = torch.linspace(-1e-7, 1e-7, 32)  # steps in fp16's subnormals
+    weight[2, 64:96] = torch.randn(32, generator=generator) * 3e4  # near fp16's limit
+    weight[3] = -weight[3].abs()  # all negative
+    expected = int4_cpu.pack(*int4_cpu.quantize(weight, bits), bits=bits)
+    assert torch.equal(int4_cpu.pack_weight(weight, bits), expected)
+
+
+def test_weights_fp16_cannot_scale_do_not_fit() -> None:
+    linear = _linear(16, 64)
+    assert int4_cpu.fits(linear)
+    for bad in (float("nan"), float("inf"), -float("inf"), 40000.0, -40000.0):
+        broken = copy.deepcopy(linear)
+        broken.weight.data[3, 5] = bad
+        assert not int4_cpu.fits(broken)
+    assert not int4_cpu.fits(torch.nn.Linear(48, 16))  # not whole groups of 32 inputs
+
+
+@needs_kernel
+def test_stacking_whole_blocks_gives_the_bytes_of_packing_the_rows_together() -> None:
+    parts = [Int4Linear.from_linear(_linear(n, 64, seed=n)) for n in (32, 16, 40)]
+    stacked = Int4Linear.stack(parts, None)
+    weights = torch.cat([_linear(n, 64, seed=n).weight for n in (32, 16, 40)])
+    assert torch.equal(stacked.packed, int4_cpu.pack_weight(weights))
+    ragged = Int4Linear.stack([parts[2], parts[0]], None)  # 40 rows first: repacked
+    assert torch.equal(ragged.packed, int4_cpu.pack_weight(torch.cat([weights[48:], weights[:32]])))
+
+
 def test_the_head_takes_6_bits_and_linears_without_whole_groups_stay_int8(tokenizer) -> None:
     model = tiny_model(len(tokenizer), hidden=64)
     model.model.layers[0].mlp.down_proj = torch.nn.Linear(40, 64)  # 40 inputs: not whole groups of 32
