@@ -14,6 +14,7 @@ from typing import Any
 import psutil
 import torch
 
+from . import native
 from .bench import BenchReport, CostCurve, FusionGain, GroupSummary, LoadRun, Result, StepBytes, TargetCheck
 from .bench.results import reference_of
 
@@ -28,6 +29,7 @@ def machine_info() -> dict[str, Any]:
         "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
         "torch_threads": torch.get_num_threads(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "cpu_kernels": native.isa(),  # the build of the C kernels this CPU takes (None: none)
         "os": platform.platform(),
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -41,8 +43,9 @@ def machine_line(machine: dict[str, Any]) -> str:
     gpu = f", {machine['cuda']}" if machine.get("cuda") else ""
     load = machine.get("load_average_start")
     load_text = f", load {load[0]:.2f} at start" if load else ""
+    kernels = f", C kernels for {machine['cpu_kernels']}" if machine.get("cpu_kernels") else ""
     return (
-        f"{machine['cpu']}, {machine['cores']} cores ({machine['torch_threads']} torch threads), "
+        f"{machine['cpu']}{kernels}, {machine['cores']} cores ({machine['torch_threads']} torch threads), "
         f"{machine['memory_gib']} GiB{gpu}; {machine['os']}; Python {machine['python']}, "
         f"torch {machine['torch']}, transformers {machine['transformers']}{load_text}"
     )

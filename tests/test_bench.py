@@ -413,3 +413,14 @@ def test_the_peers_own_cpu_time_is_not_taken_for_a_neighbours_load(monkeypatch: 
     run = llama_server.LlamaServerMethod("llama-server", AnsweringServer()).run([1, 2], 2)  # type: ignore[arg-type]
     assert run.token_ids == (5, 6) and run.seconds == pytest.approx(0.03)
     assert probe.calls == 1  # the window restarted after the request: the next check starts clean
+
+
+def test_the_machine_line_names_the_kernels_build_and_old_results_still_render() -> None:
+    from specdec_core.bench_report import machine_info, machine_line
+
+    machine = machine_info()
+    assert machine["cpu_kernels"] in (None, "avx2", "avx512-vnni")
+    machine["cpu_kernels"] = "avx2"
+    assert "C kernels for avx2" in machine_line(machine)
+    del machine["cpu_kernels"]  # a result file written before the key existed
+    assert "C kernels" not in machine_line(machine)
