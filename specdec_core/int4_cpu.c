@@ -328,3 +328,35 @@ int int4_pack(const float *w, int64_t n_out, int64_t k, int bits, uint8_t *packe
     }
     return 0;
 }
+
+/* int4_pack's inverse, as floats: w [n_out, k] = scale * q + minimum (a multiply, then an add),
+ * the values the kernel multiplies by, as int4_cpu.dequantize(*unpack(packed)) gives them.
+ * 0, or -1 when k or bits do not fit. */
+int int4_unpack(const uint8_t *packed, int64_t n_out, int64_t k, int bits, float *w, int threads) {
+    if ((bits != 4 && bits != 6) || k % GROUP) return -1;
+    int64_t groups = k / GROUP, blocks = (n_out + LANES - 1) / LANES, block_bytes = BLOCK_BYTES(bits);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        for (int64_t g = 0; g < groups; g++) {
+            const uint8_t *blk = packed + (b * groups + g) * block_bytes;
+            const uint16_t *scales = (const uint16_t *)(blk + block_bytes - SCALE_BYTES);
+            for (int c = 0; c < LANES && b * LANES + c < n_out; c++) {
+                float step = _cvtsh_ss(scales[c]), low = _cvtsh_ss(scales[LANES + c]);
+                float *out = w + (b * LANES + c) * k + g * GROUP;
+                for (int t = 0; t < 4; t++) {
+                    for (int i = 0; i < 4; i++) {
+                        uint8_t byte = blk[64 * t + 4 * c + i];
+                        int q[2] = {byte & 0x0F, byte >> 4}; /* inputs 8t + i and 8t + 4 + i */
+                        for (int half = 0; half < 2 && bits == 6; half++) {
+                            int m = 2 * t + half;
+                            q[half] |= ((blk[256 + 64 * (m / 4) + 4 * c + i] >> (2 * (m % 4))) & 3) << 4;
+                        }
+                        out[8 * t + i] = step * (float)q[0] + low;
+                        out[8 * t + 4 + i] = step * (float)q[1] + low;
+                    }
+                }
+            }
+        }
+    }
+    return 0;
+}

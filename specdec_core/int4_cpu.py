@@ -197,8 +197,16 @@ class Int4Linear(nn.Module):
         return y
 
     def dense_weight(self) -> torch.Tensor:
-        """The weights as floats [out, in], exactly the values the kernel multiplies by."""
-        return dequantize(*unpack(self.packed, self.out_features))
+        """The weights as floats [out, in], exactly the values the kernel multiplies by:
+        `dequantize(*unpack(...))` in one pass of C."""
+        weight = torch.empty(self.out_features, self.in_features)
+        status = library().int4_unpack(
+            self.packed.data_ptr(), self.out_features, self.in_features, self.bits, weight.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if status != 0:
+            raise ValueError(f"cannot unpack a {self.out_features}x{self.in_features} weight")
+        return weight
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}"

@@ -118,6 +118,14 @@ def test_packing_in_c_gives_the_bytes_of_quantize_then_pack(bits: int, out_featu
     assert torch.equal(int4_cpu.pack_weight(weight, bits), expected)
 
 
+@needs_kernel
+@pytest.mark.parametrize("bits", [4, 6])
+def test_unpacking_in_c_gives_the_values_of_unpack_then_dequantize(bits: int) -> None:
+    linear = Int4Linear.from_linear(_linear(40, 96, seed=bits), bits)  # 40: the last block half full
+    expected = int4_cpu.dequantize(*int4_cpu.unpack(linear.packed, 40))
+    assert torch.equal(linear.dense_weight(), expected)
+
+
 def test_weights_fp16_cannot_scale_do_not_fit() -> None:
     linear = _linear(16, 64)
     assert int4_cpu.fits(linear)
