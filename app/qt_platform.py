@@ -64,8 +64,9 @@ def uses_xcb(env: Mapping[str, str], platform: str = sys.platform) -> bool:
     return bool(env.get("DISPLAY"))
 
 
-def missing_xcb_libraries(loadable: Callable[[str], bool] = _loadable) -> list[str]:
-    return [soname for soname in XCB_LIBRARIES if not loadable(soname)]
+def missing_xcb_libraries(loadable: Callable[[str], bool] | None = None) -> list[str]:
+    probe = loadable or _loadable  # looked up per call, so the module's probe can be replaced
+    return [soname for soname in XCB_LIBRARIES if not probe(soname)]
 
 
 def install_hint(missing: list[str]) -> str:
@@ -79,7 +80,7 @@ def install_hint(missing: list[str]) -> str:
     )
 
 
-def check_xcb(env: Mapping[str, str] | None = None, loadable: Callable[[str], bool] = _loadable) -> str | None:
+def check_xcb(env: Mapping[str, str] | None = None, loadable: Callable[[str], bool] | None = None) -> str | None:
     """The one-line hint when Qt would start on X11 without its libraries; None when all is well."""
     if not uses_xcb(os.environ if env is None else env):
         return None
