@@ -114,12 +114,18 @@ def _open(isa_flags: tuple[str, ...]) -> ctypes.CDLL:
 
 def isa() -> str | None:
     """The instruction set the kernels are built for on this CPU ("avx512-vnni", "avx2"), or None."""
-    return next((name for name, needs, _ in ISAS if needs <= _cpu_flags()), None)
+    best = _best_isa(_cpu_flags())
+    return best[0] if best else None
 
 
 def _isa_flags(cpu: frozenset[str]) -> tuple[str, ...] | None:
     """The compiler flags of the best instruction set the CPU has, or None when it has none."""
-    return next((flags for _, needs, flags in ISAS if needs <= cpu), None)
+    best = _best_isa(cpu)
+    return best[2] if best else None
+
+
+def _best_isa(cpu: frozenset[str]) -> tuple[str, frozenset[str], tuple[str, ...]] | None:
+    return next((entry for entry in ISAS if entry[1] <= cpu), None)
 
 
 def _cpu_flags() -> frozenset[str]:

@@ -3,10 +3,12 @@ row-wise attention that gives a row the same numbers in any batch."""
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 
-from specdec_core import attention_cpu, native
+from specdec_core import attention_cpu, int4_cpu, native
 from specdec_core.batch_invariant import rowwise_attention
 from specdec_core.native import KernelUnavailable
 
@@ -129,10 +131,6 @@ def test_a_cpu_without_avx2_is_a_one_line_refusal(monkeypatch) -> None:
 
 def _run_kernels(lib) -> list[torch.Tensor]:
     """Outputs of each kernel on fixed inputs: a 4-bit and a 6-bit linear, attention, the small ops."""
-    import ctypes
-
-    from specdec_core import int4_cpu
-
     generator = torch.Generator().manual_seed(7)
     outputs = []
     for bits, rows in ((4, 1), (4, 9), (6, 3)):
