@@ -45,19 +45,20 @@ def test_native_attention_computes_what_sdpa_computes_row_by_row(
 
 
 @needs_kernel
-def test_a_rows_attention_is_bitwise_the_same_alone_in_a_batch_and_at_any_thread_count():
+@pytest.mark.parametrize("window", [32, None])  # without a window, rows share blocks of keys
+def test_a_rows_attention_is_bitwise_the_same_alone_in_a_batch_and_at_any_thread_count(window):
     query, key, value = _attention_inputs(6, 2, 64, 120, 17)
     threads = torch.get_num_threads()
     try:
         by_threads = []
-        for count in (1, 2, 3):
+        for count in (1, 2, 3, 8):  # 8: a head group split over threads
             torch.set_num_threads(count)
-            by_threads.append(attention_cpu.attend(query, key, value, None, 32))
+            by_threads.append(attention_cpu.attend(query, key, value, None, window))
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(by_threads[0], other) for other in by_threads[1:])
-    for rows in (1, 4, 16):  # the last `rows` tokens as a verify over the same keys
-        part = attention_cpu.attend(query[:, :, -rows:], key, value, None, 32)
+    for rows in (1, 4, 9, 16):  # the last `rows` tokens as a verify over the same keys
+        part = attention_cpu.attend(query[:, :, -rows:], key, value, None, window)
         assert torch.equal(part, by_threads[0][:, -rows:])
 
 
