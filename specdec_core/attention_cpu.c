@@ -40,23 +40,92 @@ static inline v16f lane_sums16(const v16f v[16]) {
     return v16_add_ps(v16_shuffle_f32x4(s01, s23, 0x88), v16_shuffle_f32x4(s01, s23, 0xDD));
 }
 
-/* scale * q.k for keys k[0 .. count - 1] (count <= 16) into scores; returns their maximum.
- * One reduction for 16 keys instead of one per key: a long prompt's prefill spent ~40%
- * of its time in attention, most of it in per-key reductions. */
-static inline float score_block(const float *q, const float *k, int64_t count, int64_t dim, float scale,
-                                float *scores) {
-    int64_t chunks = dim / 16;
-    v16f acc[16];
-    for (int64_t j = 0; j < 16; j++) {
-        acc[j] = v16_setzero_ps();
-        if (j >= count) continue;
-        for (int64_t c = 0; c < chunks; c++)
-            acc[j] = v16_fmadd_ps(v16_loadu_ps(q + 16 * c), v16_loadu_ps(k + j * dim + 16 * c), acc[j]);
+/* Pairs computed together, and keys (or value chunks) per step: RUN x STEP accumulators and
+ * STEP vectors of keys (or values) in registers, so each load serves RUN pairs. AVX2 has
+ * half the registers, each vector a pair of them: 2 x 2 there (4 x 4 spilled, and a decode
+ * step of the 1.5B at 2,000 keys took 1.33x the time of unblocked pairs). */
+#ifdef __AVX512F__
+#define RUN 4
+#define STEP 4
+#else
+#define RUN 2
+#define STEP 2
+#endif
+
+/* The q.k vectors of `run` pairs (their queries q[0..run-1]) with keys i0 .. i0 + STEP - 1 of a block
+ * (k: the block's first key), before their lanes are summed: dot[16 p + i], one chain of
+ * FMAs over the chunks each, in order. Keys past `count` are neither read nor kept: their
+ * vectors are zero. Inlined with a constant `run`, so the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void dot_keys(const float *const *q, int run, const float *k,
+                                                           int64_t i0, int64_t count, int64_t dim, v16f *dot) {
+    const float *key[STEP];
+    for (int i = 0; i < STEP; i++) key[i] = k + (i0 + i < count ? i0 + i : count - 1) * dim; /* in bounds */
+    v16f acc[RUN][STEP];
+    for (int p = 0; p < run; p++)
+        for (int i = 0; i < STEP; i++) acc[p][i] = v16_setzero_ps();
+    for (int64_t c = 0; c < dim / 16; c++) {
+        v16f kv[STEP];
+        for (int i = 0; i < STEP; i++) kv[i] = v16_loadu_ps(key[i] + 16 * c);
+        for (int p = 0; p < run; p++) {
+            v16f qv = v16_loadu_ps(q[p] + 16 * c);
+            for (int i = 0; i < STEP; i++) acc[p][i] = v16_fmadd_ps(qv, kv[i], acc[p][i]);
+        }
+    }
+    for (int p = 0; p < run; p++)
+        for (int i = 0; i < STEP; i++) dot[16 * p + i0 + i] = i0 + i < count ? acc[p][i] : v16_setzero_ps();
+}
+
+/* scale * q.k for keys k[0 .. count - 1] (count <= 16) of `run` pairs into scores[p * stride ..];
+ * each pair's maximum into top[p] (as fmaxf(top, block maximum)). One lane reduction for 16
+ * keys instead of one per key: a long prompt's prefill spent ~40% of its time in attention,
+ * most of it in per-key reductions. */
+static void score_block(const float *const *q, int run, const float *k, int64_t count, int64_t dim, float scale,
+                        float *scores, int64_t stride, float *top) {
+    v16f dot[16 * RUN];
+    for (int64_t i0 = 0; i0 < 16; i0 += STEP) {
+        if (i0 >= count) {
+            for (int p = 0; p < run; p++)
+                for (int i = 0; i < STEP; i++) dot[16 * p + i0 + i] = v16_setzero_ps();
+            continue;
+        }
+        switch (run) {
+            case 1: dot_keys(q, 1, k, i0, count, dim, dot); break;
+#if RUN == 4
+            case 2: dot_keys(q, 2, k, i0, count, dim, dot); break;
+            case 3: dot_keys(q, 3, k, i0, count, dim, dot); break;
+#endif
+            default: dot_keys(q, RUN, k, i0, count, dim, dot);
+        }
     }
     v16mask mask = count >= 16 ? (v16mask)0xFFFF : (v16mask)((1u << count) - 1u);
-    v16f scored = v16_mul_ps(v16_set1_ps(scale), lane_sums16(acc));
-    v16_mask_storeu_ps(scores, mask, scored);
-    return v16_mask_reduce_max_ps(mask, scored);
+    for (int p = 0; p < run; p++) {
+        v16f scored = v16_mul_ps(v16_set1_ps(scale), lane_sums16(dot + 16 * p));
+        v16_mask_storeu_ps(scores + p * stride, mask, scored);
+        top[p] = fmaxf(top[p], v16_mask_reduce_max_ps(mask, scored));
+    }
+}
+
+/* acc[p] += w[p][j] * v[j] for keys j0 .. end - 1, in that order, for `run` pairs (their
+ * weights at w[p * stride]) and chunks c0 .. c0 + STEP - 1 of the head (a chunk past the last
+ * is the last again: computed twice, the same numbers, stored twice). */
+static inline __attribute__((always_inline)) void add_values(const float *v, int64_t j0, int64_t end, int64_t dim,
+                                                             const float *w, int64_t stride, int run, float *acc,
+                                                             int64_t c0) {
+    int64_t chunks = dim / 16, chunk[STEP];
+    for (int i = 0; i < STEP; i++) chunk[i] = c0 + i < chunks ? c0 + i : chunks - 1;
+    v16f sum[RUN][STEP];
+    for (int p = 0; p < run; p++)
+        for (int i = 0; i < STEP; i++) sum[p][i] = v16_loadu_ps(acc + p * dim + 16 * chunk[i]);
+    for (int64_t j = j0; j < end; j++) {
+        v16f vv[STEP];
+        for (int i = 0; i < STEP; i++) vv[i] = v16_loadu_ps(v + j * dim + 16 * chunk[i]);
+        for (int p = 0; p < run; p++) {
+            v16f weight = v16_set1_ps(w[p * stride + j]);
+            for (int i = 0; i < STEP; i++) sum[p][i] = v16_fmadd_ps(weight, vv[i], sum[p][i]);
+        }
+    }
+    for (int p = 0; p < run; p++)
+        for (int i = 0; i < STEP; i++) v16_storeu_ps(acc + p * dim + 16 * chunk[i], sum[p][i]);
 }
 
 /* (query row, head) pairs that read the same key/value head from the same first key: each
@@ -71,27 +140,35 @@ typedef struct {
  * L1 while every pair adds it in. */
 #define VALUE_BLOCK 32
 
+/* The pairs from `first` on that see as many keys as it does, at most RUN (a row's heads). */
+static int64_t run_length(const pair *pairs, int64_t first, int64_t count) {
+    int64_t m = 1;
+    while (m < RUN && first + m < count && pairs[first + m].n == pairs[first].n) m++;
+    return m;
+}
+
 /* out = softmax(scale * q.k) . v for each of `count` pairs, each pair's numbers exactly those
  * of the pair alone: its scores 16 keys at a time from its first key, their maximum, the
  * exponentials and their sum, then the weighted values key by key, in that order. The pairs
- * only share each block of keys and values while it is in the cache: a decode step's query
- * heads read their key/value head's cache once instead of once each, and a verify's rows
- * too (at 2,000 keys the 1.5B's attention took 13 ms a token, 42 for a 5-row verify).
- * `scores` holds count * stride floats (stride >= every n), `acc` count * dim. */
+ * only share loads: each block of keys and values is read from memory once for all of
+ * them, and each vector loaded into a register serves the pairs of a run (a row's heads).
+ * `scores` holds count * stride floats (stride >= every n), `acc` count * dim, `top` count. */
 static void attend_pairs(const pair *pairs, int64_t count, const float *k, const float *v, int64_t dim,
                          float scale, float *scores, int64_t stride, float *acc, float *top) {
     int64_t chunks = dim / 16, longest = 0;
+    const float *q[RUN];
     for (int64_t p = 0; p < count; p++) {
         top[p] = -INFINITY;
         if (pairs[p].n > longest) longest = pairs[p].n;
     }
     for (int64_t j = 0; j < longest; j += 16)
-        for (int64_t p = 0; p < count; p++) {
+        for (int64_t p = 0, m; p < count; p += m) {
+            m = run_length(pairs, p, count);
             int64_t n = pairs[p].n;
             if (j >= n) continue;
-            float block_top = score_block(pairs[p].q, k + j * dim, n - j < 16 ? n - j : 16, dim, scale,
-                                          scores + p * stride + j);
-            top[p] = fmaxf(top[p], block_top);
+            for (int64_t i = 0; i < m; i++) q[i] = pairs[p + i].q;
+            score_block(q, (int)m, k + j * dim, n - j < 16 ? n - j : 16, dim, scale, scores + p * stride + j, stride,
+                        top + p);
         }
     for (int64_t p = 0; p < count; p++) {
         int64_t n = pairs[p].n;
@@ -107,18 +184,20 @@ static void attend_pairs(const pair *pairs, int64_t count, const float *k, const
         for (int64_t c = 0; c < chunks; c++) v16_storeu_ps(acc + p * dim + 16 * c, v16_setzero_ps());
     }
     for (int64_t j0 = 0; j0 < longest; j0 += VALUE_BLOCK)
-        for (int64_t p = 0; p < count; p++) {
+        for (int64_t p = 0, m; p < count; p += m) {
+            m = run_length(pairs, p, count);
             int64_t end = pairs[p].n < j0 + VALUE_BLOCK ? pairs[p].n : j0 + VALUE_BLOCK;
             if (j0 >= end) continue;
-            const float *row = scores + p * stride;
-            v16f sum[MAX_CHUNKS];
-            for (int64_t c = 0; c < chunks; c++) sum[c] = v16_loadu_ps(acc + p * dim + 16 * c);
-            for (int64_t j = j0; j < end; j++) {
-                v16f weight = v16_set1_ps(row[j]);
-                for (int64_t c = 0; c < chunks; c++)
-                    sum[c] = v16_fmadd_ps(weight, v16_loadu_ps(v + j * dim + 16 * c), sum[c]);
-            }
-            for (int64_t c = 0; c < chunks; c++) v16_storeu_ps(acc + p * dim + 16 * c, sum[c]);
+            const float *w = scores + p * stride;
+            float *a = acc + p * dim;
+            for (int64_t c0 = 0; c0 < chunks; c0 += STEP) switch (m) {
+                    case 1: add_values(v, j0, end, dim, w, stride, 1, a, c0); break;
+#if RUN == 4
+                    case 2: add_values(v, j0, end, dim, w, stride, 2, a, c0); break;
+                    case 3: add_values(v, j0, end, dim, w, stride, 3, a, c0); break;
+#endif
+                    default: add_values(v, j0, end, dim, w, stride, RUN, a, c0);
+                }
         }
     for (int64_t p = 0; p < count; p++)
         for (int64_t c = 0; c < chunks; c++)
