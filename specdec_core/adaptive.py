@@ -59,6 +59,11 @@ CARRY_WEIGHT = 4.0
 THIN_EVIDENCE = 2.0
 STRETCH_EVERY = 4
 
+# What an acceptance estimate assumes before its first verdicts, and how many verdicts
+# weight that guess has.
+PRIOR = 0.6
+PRIOR_WEIGHT = 2.0
+
 # The kinds of forward timed: a target forward of m tokens (an int), or these two.
 DRAFT_TOKEN = "draft token"
 DRAFT_FIRST = "draft first"
@@ -239,7 +244,7 @@ class AcceptanceEstimate:
     """Online per-position acceptance with exponential forgetting and a shrinkage prior."""
 
     def __init__(
-        self, max_k: int, prior: float = 0.6, prior_weight: float = 2.0, decay: float = 0.97
+        self, max_k: int, prior: float = PRIOR, prior_weight: float = PRIOR_WEIGHT, decay: float = 0.97
     ) -> None:
         self.prior = prior
         self.prior_weight = prior_weight

@@ -113,6 +113,18 @@ def test_lookup_acceptance_is_kept_per_match_length():
     assert policy.choose(budget=8, match_n=2, found=4, t_draft=0.05).lookup_tokens == 0
 
 
+def test_a_match_length_not_seen_yet_starts_from_how_copies_have_done_so_far():
+    # Traced on a word problem: each new match length was drafted at the fixed prior and
+    # rejected at once, while the model drafted at 0.9 or more.
+    policy = policy_with(model_runs=[(4, 4), (4, 3)] * 15, lookup_runs=[(3, 0)] * 12, match_n=2)
+    assert policy.lookup(5).rate(0) < 0.2
+    assert policy.choose(budget=8, match_n=5, found=4, t_draft=0.03).lookup_tokens == 0
+    fresh = policy_with(model_runs=[(4, 4), (4, 3)] * 15)  # nothing known of copies: the fixed prior
+    assert fresh.lookup(5).rate(0) == pytest.approx(0.6)
+    good = policy_with(lookup_runs=[(4, 4)] * 12, match_n=2)
+    assert good.lookup(5).rate(0) > 0.8
+
+
 def test_nothing_pays_means_a_plain_step_then_a_probe():
     policy = policy_with(model_runs=[(4, 0)] * 30, lookup_runs=[(4, 0)] * 30)
     policy.prober.every = 4
