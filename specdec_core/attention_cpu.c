@@ -52,8 +52,8 @@ static inline v16f lane_sums16(const v16f v[16]) {
 #define STEP 2
 #endif
 
-/* The q.k vectors of `run` pairs (their queries q[0..run-1]) with keys i0 .. i0 + STEP - 1 of a block
- * (k: the block's first key), before their lanes are summed: dot[16 p + i], one chain of
+/* The q.k vectors of `run` pairs (their queries q[0..run-1]) with keys i0 .. i0 + STEP - 1 of a
+ * block (k: the block's first key), before their lanes are summed: dot[16 p + i], one chain of
  * FMAs over the chunks each, in order. Keys past `count` are neither read nor kept: their
  * vectors are zero. Inlined with a constant `run`, so the accumulators stay in registers. */
 static inline __attribute__((always_inline)) void dot_keys(const float *const *q, int run, const float *k,
@@ -167,8 +167,8 @@ static void attend_pairs(const pair *pairs, int64_t count, const float *k, const
             int64_t n = pairs[p].n;
             if (j >= n) continue;
             for (int64_t i = 0; i < m; i++) q[i] = pairs[p + i].q;
-            score_block(q, (int)m, k + j * dim, n - j < 16 ? n - j : 16, dim, scale, scores + p * stride + j, stride,
-                        top + p);
+            score_block(q, (int)m, k + j * dim, n - j < 16 ? n - j : 16, dim, scale, scores + p * stride + j,
+                        stride, top + p);
         }
     for (int64_t p = 0; p < count; p++) {
         int64_t n = pairs[p].n;
@@ -201,7 +201,8 @@ static void attend_pairs(const pair *pairs, int64_t count, const float *k, const
         }
     for (int64_t p = 0; p < count; p++)
         for (int64_t c = 0; c < chunks; c++)
-            v16_storeu_ps(pairs[p].out + 16 * c, v16_mul_ps(v16_loadu_ps(acc + p * dim + 16 * c), v16_set1_ps(top[p])));
+            v16_storeu_ps(pairs[p].out + 16 * c,
+                          v16_mul_ps(v16_loadu_ps(acc + p * dim + 16 * c), v16_set1_ps(top[p])));
 }
 
 /* Rows taken together per task where they share their first key (no window): a verify's
@@ -241,16 +242,18 @@ int causal_attention(const float *query, const float *key, const float *value, f
         for (int64_t task = 0; task < tasks; task++) {
             if (failed) continue;
             int64_t r0 = task / (kv_heads * slices) * row_block, kv = task / slices % kv_heads;
-            int64_t h0 = kv * group + task % slices * slice, h1 = h0 + slice < (kv + 1) * group ? h0 + slice : (kv + 1) * group;
+            int64_t h0 = kv * group + task % slices * slice, last = (kv + 1) * group;
+            int64_t h1 = h0 + slice < last ? h0 + slice : last;
             int64_t r1 = r0 + row_block < rows ? r0 + row_block : rows, first = 0, count = 0;
             for (int64_t r = r0; r < r1; r++) {
                 int64_t end = keys - rows + r + 1;
                 first = window > 0 && end > window ? end - window : 0;
                 for (int64_t h = h0; h < h1; h++)
-                    pairs[count++] = (pair){query + (h * rows + r) * dim, out + (r * heads + h) * dim, end - first};
+                    pairs[count++] =
+                        (pair){query + (h * rows + r) * dim, out + (r * heads + h) * dim, end - first};
             }
-            attend_pairs(pairs, count, key + kv * kv_stride + first * dim, value + kv * kv_stride + first * dim, dim,
-                         scale, scores, keys > 0 ? keys : 1, acc, top);
+            attend_pairs(pairs, count, key + kv * kv_stride + first * dim, value + kv * kv_stride + first * dim,
+                         dim, scale, scores, keys > 0 ? keys : 1, acc, top);
         }
         free(scores), free(acc), free(top), free(pairs);
     }
