@@ -231,7 +231,7 @@ int causal_attention(const float *query, const float *key, const float *value, f
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
-        float *scores = malloc(sizeof(float) * (size_t)(most * (keys > 0 ? keys : 1)));
+        float *scores = malloc(sizeof(float) * (size_t)(most * keys)); /* keys >= rows >= 1 */
         float *acc = malloc(sizeof(float) * (size_t)(most * dim));
         float *top = malloc(sizeof(float) * (size_t)most);
         pair *pairs = malloc(sizeof(pair) * (size_t)most);
@@ -253,7 +253,7 @@ int causal_attention(const float *query, const float *key, const float *value, f
                         (pair){query + (h * rows + r) * dim, out + (r * heads + h) * dim, end - first};
             }
             attend_pairs(pairs, count, key + kv * kv_stride + first * dim, value + kv * kv_stride + first * dim,
-                         dim, scale, scores, keys > 0 ? keys : 1, acc, top);
+                         dim, scale, scores, keys, acc, top);
         }
         free(scores), free(acc), free(top), free(pairs);
     }

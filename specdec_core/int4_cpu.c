@@ -126,7 +126,7 @@ static inline __attribute__((always_inline)) void block_tile(
         }
         for (int r = 0; r < rows; r++) {
             __m512i sum = dot[r * chains];
-            if (high_times_16)
+            if (high_times_16) /* one row: chains 0 and 2 hold the low nibbles, 1 and 3 16 x the high */
                 sum = _mm512_add_epi32(_mm512_add_epi32(dot[0], dot[2]),
                                        _mm512_srai_epi32(_mm512_add_epi32(dot[1], dot[3]), 4));
             else
