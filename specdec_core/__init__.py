@@ -54,6 +54,7 @@ _EXPORTS = {
     "DoneEvent": "events",
     "Event": "events",
     "PrefillEvent": "events",
+    "ReadingEvent": "events",
     "Source": "events",
     "StepEvent": "events",
     "TokenEvent": "events",
@@ -87,6 +88,7 @@ __all__ = [
     "PrefillEvent",
     "Progress",
     "ProgressCallback",
+    "ReadingEvent",
     "SessionInfo",
     "Source",
     "SpecdecError",
@@ -110,7 +112,7 @@ if TYPE_CHECKING:
     from .drafters import Drafter, ModelDrafter, NgramDrafter, NoDrafter
     from .engine import GenerationParams, SpeculativeEngine
     from .errors import Cancelled, ContextTooLong, InternalError, OutOfMemory, SpecdecError
-    from .events import DoneEvent, Event, PrefillEvent, Source, StepEvent, TokenEvent
+    from .events import DoneEvent, Event, PrefillEvent, ReadingEvent, Source, StepEvent, TokenEvent
     from .loading import DEVICES, PRECISIONS
     from .pair import DraftSpec
     from .progress import Progress, ProgressCallback

@@ -34,6 +34,18 @@ class PrefillEvent:
 
 
 @dataclass(frozen=True)
+class ReadingEvent:
+    """A long prompt is going through the target in chunks: `read` of its `total` new tokens so far.
+
+    Sent before the first chunk (read 0) and after each; the prompt's last chunk is
+    followed by the `PrefillEvent`. A short prompt, read in one forward, sends none.
+    """
+
+    read: int
+    total: int
+
+
+@dataclass(frozen=True)
 class TokenEvent:
     """One committed token; `text` is the text it adds (may be "" mid-character)."""
 
@@ -77,4 +89,4 @@ class DoneEvent:
     stats: GenerationStats = field(repr=False)
 
 
-Event = PrefillEvent | TokenEvent | StepEvent | DoneEvent
+Event = ReadingEvent | PrefillEvent | TokenEvent | StepEvent | DoneEvent

@@ -18,9 +18,11 @@ from tiny import hf_greedy, perturbed
 from specdec_core import native
 from specdec_core.drafters import LookupThenModelDrafter, ModelDrafter, NgramDrafter, NoDrafter
 from specdec_core.engine import GenerationParams, SpeculativeEngine
+from specdec_core.events import ReadingEvent
 from specdec_core.int4_cpu import Int4Linear
 from specdec_core.loading import prepare_for_cpu
 from specdec_core.quant_cpu import int8_available
+from specdec_core.selfcheck import check_exactness
 
 PRECISIONS = [
     "fp32",
@@ -75,3 +77,33 @@ def test_every_drafter_reproduces_the_target_alone(tokenizer, arch, precision):
         assert list(done.token_ids) == alone, f"{name} departs from the target alone"
         accepted += done.stats.accepted
     assert accepted > 0  # speculation really ran
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_a_prompt_read_in_chunks_gives_the_numbers_of_one_forward(tokenizer, arch, precision):
+    """Where the self-check measures bitwise, the engine reads long prompts in chunks
+    (engine._prefill_chunk): every family's cache must then hold the same bits, past its
+    sliding window too."""
+    engine = SpeculativeEngine(at_precision(arch_model(arch, len(tokenizer)), precision), tokenizer)
+    engine.exactness = check_exactness(engine)
+    assert engine.exactness.bitwise
+    prompt = tokenizer(PROMPT * 2)["input_ids"]
+    runner = engine.target
+
+    def next_logits(chunk: int) -> torch.Tensor:
+        runner.reset()
+        for first in range(0, len(prompt) - 1, chunk):
+            runner.forward(prompt[first : min(first + chunk, len(prompt) - 1)], logits_to_keep=1)
+        return runner.forward(prompt[-1:], logits_to_keep=1)
+
+    whole = next_logits(len(prompt))
+    for chunk in (5, 16):
+        assert torch.equal(next_logits(chunk), whole), f"chunks of {chunk} change the numbers"
+    engine.prefill_chunk = 5
+    runner.reset()
+    chunked = list(engine.generate(prompt, GenerationParams(max_new_tokens=8)))
+    assert any(isinstance(e, ReadingEvent) for e in chunked)
+    engine.exactness = None  # now one forward
+    runner.reset()
+    assert chunked[-1].token_ids == list(engine.generate(prompt, GenerationParams(max_new_tokens=8)))[-1].token_ids

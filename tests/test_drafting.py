@@ -21,6 +21,7 @@ from specdec_core.drafters import (
 from specdec_core.engine import GenerationParams, SpeculativeEngine
 from specdec_core.events import DoneEvent, StepEvent, TokenEvent
 from specdec_core.policy import PLAIN, Choice, SourcePolicy
+from specdec_core.selfcheck import BITWISE, ExactnessReport
 from specdec_core.stats import GenerationStats, speedup_bound, theoretical_speedup
 
 # Shaped after this 2-core CPU: a verify of m tokens ~ (1 + 0.12 (m - 1)) target steps,
@@ -362,12 +363,8 @@ def test_stop_token_is_flagged_counted_and_kept_out_of_the_text(tokenizer, targe
 
 
 def test_stats_carry_the_engine_exactness_label(tokenizer, target):
-    class Report:
-        label = "bitwise"
-        max_logit_diff = 0.0
-
     engine = SpeculativeEngine(target, tokenizer, NoDrafter())
-    engine.exactness = Report()  # type: ignore[attr-defined]
+    engine.exactness = ExactnessReport(label=BITWISE, max_logit_diff=0.0, positions=8, seconds=0.0)
     done = list(engine.generate(tokenizer("def")["input_ids"], GenerationParams(max_new_tokens=2)))[-1]
     assert done.stats.exactness == "bitwise" and done.stats.max_logit_diff == 0.0
     assert done.stats.as_dict()["exactness"] == "bitwise"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import threading
 
 import pytest
@@ -10,7 +11,9 @@ from tiny import hf_greedy, perturbed, tiny_model
 from specdec_core.chat import Message, encode_chat
 from specdec_core.drafters import LookupThenModelDrafter, ModelDrafter, NgramDrafter, NoDrafter
 from specdec_core.engine import GenerationParams, SpeculativeEngine
-from specdec_core.events import DoneEvent, Source, StepEvent, TokenEvent
+from specdec_core.events import DoneEvent, PrefillEvent, ReadingEvent, Source, StepEvent, TokenEvent
+from specdec_core.loading import prepare_for_cpu
+from specdec_core.selfcheck import NEAR_TIES, ExactnessReport, check_exactness
 
 
 def run(engine: SpeculativeEngine, prompt: list[int], **params) -> DoneEvent:
@@ -265,3 +268,72 @@ def test_a_draft_reads_only_the_latest_window_of_a_long_prompt_and_the_output_st
     short = tokenizer("def f():")["input_ids"]
     model_drafter.propose(short, 2, GenerationParams().sampling, None)
     assert model_drafter.window_start == 0 and model_drafter.runner.ids[: len(short) - 1] == short[:-1]
+
+
+@pytest.fixture(scope="module")
+def rowwise_target(target):
+    """The tiny target as the CPU loader prepares it: each row's numbers its own (batch-invariant)."""
+    model = copy.deepcopy(target)
+    prepare_for_cpu(model, "fp32")
+    return model
+
+
+def bitwise_engine(tokenizer, target, drafter, chunk: int) -> SpeculativeEngine:
+    """An engine whose self-check measured bitwise, reading prompts `chunk` tokens at a time."""
+    engine = SpeculativeEngine(target, tokenizer, drafter)
+    engine.exactness = check_exactness(engine)
+    assert engine.exactness.bitwise  # the tiny model runs the CPU's row-wise kernels
+    engine.prefill_chunk = chunk
+    return engine
+
+
+def test_a_long_prompt_is_read_in_chunks_that_report_progress_and_change_nothing(
+    tokenizer, rowwise_target, target
+):
+    prompt = tokenizer(PROMPTS["code"] * 3)["input_ids"]
+    drafter = LookupThenModelDrafter(ModelDrafter(perturbed(target, 0.05), "perturbed"))
+    engine = bitwise_engine(tokenizer, rowwise_target, drafter, chunk=8)
+    events = list(engine.generate(prompt, GenerationParams(max_new_tokens=24, draft_length=3)))
+    reading = [e for e in events if isinstance(e, ReadingEvent)]
+    total = len(prompt) - 1  # the last prompt token is the first step's input
+    assert [e.read for e in reading] == list(range(0, total, 8))
+    assert {e.total for e in reading} == {total}
+    first_other = next(i for i, e in enumerate(events) if not isinstance(e, ReadingEvent))
+    assert first_other == len(reading) and isinstance(events[first_other], PrefillEvent)
+    assert events[-1].stats.target_forwards >= len(reading)
+    assert list(events[-1].token_ids) == hf_greedy(target, prompt, 24)
+
+
+def test_a_prompt_is_one_forward_unless_the_self_check_measured_bitwise(tokenizer, target):
+    prompt = tokenizer(PROMPTS["code"] * 3)["input_ids"]
+    engine = SpeculativeEngine(target, tokenizer, NoDrafter())
+    engine.prefill_chunk = 8
+    near_ties = ExactnessReport(label=NEAR_TIES, max_logit_diff=1e-6, positions=8, seconds=0.0)
+    for report in (None, near_ties):  # unchecked, or rows that may depend on each other
+        engine.exactness = report
+        engine.target.reset()
+        events = list(engine.generate(prompt, GenerationParams(max_new_tokens=4)))
+        assert not any(isinstance(e, ReadingEvent) for e in events)
+        assert events[-1].stats.target_forwards == 1 + 4  # the prefill, then one per token
+
+
+def test_stop_while_reading_a_prompt_ends_before_the_first_token_and_keeps_what_was_read(
+    tokenizer, rowwise_target, target
+):
+    prompt = tokenizer(PROMPTS["code"] * 3)["input_ids"]
+    engine = bitwise_engine(tokenizer, rowwise_target, NoDrafter(), chunk=8)
+    cancel = threading.Event()
+    events = []
+    for event in engine.generate(prompt, GenerationParams(max_new_tokens=10), cancel=cancel):
+        events.append(event)
+        if isinstance(event, ReadingEvent) and event.read == 16:
+            cancel.set()  # the third chunk is announced: it is not read
+    done = events[-1]
+    assert isinstance(done, DoneEvent) and done.stats.stop_reason == "cancelled"
+    assert done.token_ids == () and not any(isinstance(e, (PrefillEvent, TokenEvent)) for e in events)
+    assert engine.target.ids == prompt[:16]
+    # Sent again, the answer starts from the chunks already read and is the target's.
+    again = list(engine.generate(prompt, GenerationParams(max_new_tokens=10)))
+    prefill = next(e for e in again if isinstance(e, PrefillEvent))
+    assert prefill.reused_tokens == 16
+    assert list(again[-1].token_ids) == hf_greedy(target, prompt, 10)
