@@ -12,7 +12,7 @@ from __future__ import annotations
 from PySide6.QtCore import QObject, Signal
 from PySide6.QtGui import QGuiApplication
 
-from specdec_core import DoneEvent, Message, StepEvent, TokenEvent
+from specdec_core import DoneEvent, Message, PrefillEvent, ReadingEvent, StepEvent, TokenEvent
 
 from .conversation_library import ConversationLibrary
 from .conversation_sidebar import ConversationSidebar
@@ -60,6 +60,7 @@ class ChatController(QObject):
         self.view, self.prompt_box, self.edit_banner, self.sidebar, self.side = parts
         self.conversation = Conversation.new(settings.system_prompt)
         self._generation: GenerateRequest | None = None
+        self._stop_asked = False  # Stop was pressed for the answer in flight: "Stopping…" stays
         self._live: list[TokenEvent] = []  # every committed token, end-of-turn included
         self._live_shown: list[StoredToken] = []  # the ones the transcript shows
         self._editing: int | None = None
@@ -83,6 +84,8 @@ class ChatController(QObject):
         """Wire this controller to the worker (before the worker's thread starts)."""
         self._worker = worker
         self.generateRequested.connect(worker.generate)
+        worker.reading.connect(self._on_reading)
+        worker.prefilled.connect(self._on_prefilled)
         worker.streamed.connect(self._on_streamed)
         worker.answerDone.connect(self._on_answer_done)
         worker.generationFailed.connect(self._on_generation_failed)
@@ -143,7 +146,7 @@ class ChatController(QObject):
         history = tuple(Message(m.role, m.content) for m in self.conversation.messages)
         generation = self.side.generation
         request = GenerateRequest(history, self.conversation.system_prompt or None, generation.params())
-        self._generation = request
+        self._generation, self._stop_asked = request, False
         self._live, self._live_shown = [], []
         self.side.gauges.reset()
         pair = self.models.pair
@@ -155,6 +158,7 @@ class ChatController(QObject):
     def stop(self) -> None:
         if self._generation is not None and self._worker is not None:
             self._worker.stop(self._generation)
+            self._stop_asked = True
             self.statusChanged.emit("Stopping…", 0)
             self.prompt_box.stop_button.setEnabled(False)
 
@@ -164,6 +168,14 @@ class ChatController(QObject):
             self.send()
 
     # -- the live answer --------------------------------------------------------------------
+    def _on_reading(self, event: ReadingEvent) -> None:
+        if self._generation is not None and not self._stop_asked:
+            self.statusChanged.emit(f"Reading the prompt: {event.read:,} of {event.total:,} tokens…", 0)
+
+    def _on_prefilled(self, event: PrefillEvent) -> None:
+        if self._generation is not None and not self._stop_asked:
+            self.statusChanged.emit("Generating…", 0)
+
     def _on_streamed(self, batch: StreamBatch) -> None:
         if self._generation is None or self._worker is None:
             return

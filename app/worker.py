@@ -8,13 +8,15 @@ adapter only turns what the session returns or yields into signals, the way
 superqt's `GeneratorWorker` turns a generator's yields into signals:
 
 - the core's own events are forwarded, never re-typed: `TokenEvent`s and
-  `StepEvent`s in batches (`streamed`), the `PrefillEvent`, the final `DoneEvent`;
+  `StepEvent`s in batches (`streamed`), a long prompt's `ReadingEvent`s, the
+  `PrefillEvent`, the final `DoneEvent`;
 - batches go out at most every `EMIT_INTERVAL_S`, always ending on a `StepEvent`
   (tiny or fast models commit thousands of tokens a second, and a signal per
   token would flood the UI thread's event queue);
 - the abort flag is the request's `threading.Event`, which the session checks
-  between steps (and fetch/conversion between chunks), so Stop ends an answer at
-  the next step with stop reason "cancelled" and the tokens so far.
+  between steps and between a long prompt's chunks (and fetch/conversion between
+  theirs), so Stop ends an answer at the next step or chunk with stop reason
+  "cancelled" and the tokens so far.
 
 Three calls must reach the worker *while it is busy* in a slot, so they are plain
 thread-safe calls instead of queued slots: `stop()` / `cancel_load()` /
@@ -45,6 +47,7 @@ from specdec_core import (
     Message,
     PrefillEvent,
     Progress,
+    ReadingEvent,
     SessionInfo,
     SpecdecError,
     StepEvent,
@@ -95,6 +98,7 @@ class EngineWorker(QObject):
     loadFailed = Signal(str)
     loadCancelled = Signal()
     draftVerdicts = Signal(object)  # dict[str, Compatibility]
+    reading = Signal(object)  # ReadingEvent: how much of a long prompt the target has read
     prefilled = Signal(object)  # PrefillEvent
     streamed = Signal(object)  # StreamBatch: TokenEvents then the StepEvent that committed them
     answerDone = Signal(object)  # DoneEvent (its text holds no stop token)
@@ -168,6 +172,9 @@ class EngineWorker(QObject):
                     self.streamed.emit(tuple(batch))
                 self.answerDone.emit(event)
                 return
+            if isinstance(event, ReadingEvent):
+                self.reading.emit(event)
+                continue
             if isinstance(event, PrefillEvent):
                 self.prefilled.emit(event)
                 continue

@@ -135,7 +135,7 @@ def _register_generate(subparsers: argparse._SubParsersAction) -> None:
 
 def _generate(args: argparse.Namespace) -> int:
     from .chat import Message, check_text
-    from .events import DoneEvent, TokenEvent
+    from .events import DoneEvent, PrefillEvent, ReadingEvent, TokenEvent
     from .session import ChatSession
 
     params = generation_params(args)  # bad input fails before minutes of loading
@@ -165,8 +165,15 @@ def _generate(args: argparse.Namespace) -> int:
         events = session.answer([Message("user", args.prompt)], system=args.system, params=params)
     tokens: list[dict[str, object]] = []
     done: DoneEvent | None = None
+    show_reading = sys.stderr.isatty()  # one line, rewritten in place
     for event in events:
-        if isinstance(event, TokenEvent):
+        if isinstance(event, ReadingEvent) and show_reading:
+            sys.stderr.write(f"\rspecdec: reading the prompt: {event.read:,} of {event.total:,} tokens")
+            sys.stderr.flush()
+        elif isinstance(event, PrefillEvent) and show_reading:
+            sys.stderr.write("\r\033[K")  # the reading line, if any, gives way to the answer
+            sys.stderr.flush()
+        elif isinstance(event, TokenEvent):
             tokens.append({"id": event.token_id, "text": event.text, "source": event.source.value})
             if not args.json and not event.is_stop:  # a stop token is counted, never printed
                 sys.stdout.write(event.text)

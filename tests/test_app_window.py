@@ -215,6 +215,38 @@ def test_stop_mid_generation_then_a_new_message_works(qtbot, open_window, models
     assert [m.role for m in window.conversation.messages] == ["user", "assistant", "user", "assistant"]
 
 
+def test_a_long_prompt_shows_its_reading_and_stop_ends_it_before_the_first_token(qtbot, open_window, models):
+    window = open_window("--target", models["chatty"], "--draft", "ngram")
+    engine = window.worker.session.engine
+    assert engine.exactness is not None and engine.exactness.bitwise  # the loader's row-wise CPU forward
+    engine.prefill_chunk = 4
+    statuses: list[str] = []
+    window.statusBar().messageChanged.connect(statuses.append)
+    parked, release = threading.Event(), threading.Event()
+    window.releases.append(release)
+
+    def hold(event) -> None:  # runs in the worker thread, inside the prompt's reading
+        if event.read == 8:
+            parked.set()
+            release.wait(60)
+
+    window.worker.reading.connect(hold, Qt.ConnectionType.DirectConnection)
+    window.prompt.setPlainText(PROMPT * 8)
+    window.send_button.click()
+    assert parked.wait(60)
+    qtbot.waitUntil(lambda: any(s.startswith("Reading the prompt: 4 of ") for s in statuses), timeout=5000)
+    with qtbot.waitSignal(window.answerFinished, timeout=ANSWER_TIMEOUT_MS) as blocker:
+        qtbot.mouseClick(window.stop_button, Qt.MouseButton.LeftButton)
+        release.set()
+    stopped = blocker.args[0]
+    assert stopped.stopped and stopped.tokens == [] and window.live_token_ids() == []
+    assert not any(s.startswith("Reading the prompt: 12 of") for s in statuses)  # no chunk after the stop
+
+    window.side.generation.max_new_tokens.setValue(6)
+    answer = _send(qtbot, window, "and again")
+    assert not answer.stopped and len(window.live_token_ids()) == 6
+
+
 def test_speculation_toggle_switches_the_next_tokens_to_target(qtbot, open_window, models):
     # A draft identical to the target: every draft token is accepted while speculating.
     window = open_window("--target", models["chatty"], "--draft", models["chatty_copy"])
@@ -408,19 +440,20 @@ def test_closing_during_a_long_load_returns_at_once_and_cancels_it(qtbot, open_w
 def test_the_worker_forwards_core_events_in_batches_that_end_on_a_step(qapp, interval_s, batches):
     from specdec_app.worker import EngineWorker
 
-    from specdec_core.events import DoneEvent, PrefillEvent, Source, StepEvent, TokenEvent
+    from specdec_core.events import DoneEvent, PrefillEvent, ReadingEvent, Source, StepEvent, TokenEvent
 
     def step(n: int) -> StepEvent:
         return StepEvent(n, 1, 1, 1, 1, 0.0, 0.0, 1.0, 1.0, 1.0)
 
     done = DoneEvent((1, 2), "ab", stats=None)
-    events = [PrefillEvent(3, 0, 0.0), TokenEvent(1, "a", Source.TARGET, 1), step(1)]
+    events = [ReadingEvent(0, 3), PrefillEvent(3, 0, 0.0), TokenEvent(1, "a", Source.TARGET, 1), step(1)]
     events += [TokenEvent(2, "b", Source.TARGET, 2), step(2), done]
     worker = EngineWorker()
     worker.emit_interval_s = interval_s
     seen: list[object] = []
+    worker.reading.connect(lambda event: seen.append("reading"))
     worker.prefilled.connect(lambda event: seen.append("prefill"))
     worker.streamed.connect(lambda batch: seen.append([getattr(e, "token_id", "step") for e in batch]))
     worker.answerDone.connect(seen.append)
     worker._forward(iter(events))  # the events are the session's own objects, never re-typed
-    assert seen == ["prefill", *batches, done]
+    assert seen == ["reading", "prefill", *batches, done]
