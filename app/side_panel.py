@@ -29,6 +29,8 @@ MAX_PINNED_K = 12
 def answer_footer(stats: GenerationStats, draft_name: str) -> str:
     """The line under an answer: "Draft: … · accepted 143/180 (79%) · 2.1× faster · 12.3 tok/s"."""
     parts = [f"Draft: {draft_name}"]
+    if stats.new_tokens == 0 and stats.stop_reason == "cancelled":
+        return f"{parts[0]} · stopped before the first token"  # no speed to report
     if stats.proposed:
         parts.append(f"accepted {stats.accepted}/{stats.proposed} ({stats.acceptance_rate:.0%})")
     else:
@@ -120,12 +122,15 @@ class GaugePanel(QWidget):
         self.sparkline.add(update.tokens_per_second)
 
     def show_final(self, stats: GenerationStats, footer: str) -> None:
+        self.footer.setText(footer)
+        if stats.new_tokens == 0:  # stopped while reading the prompt: no figure means anything
+            self.reset()
+            return
         self.tokens_per_second.set_value(stats.tokens_per_second)
         self.acceptance.set_value(stats.acceptance_rate)
         self.speedup.set_value(stats.measured_speedup, marker=stats.theoretical_speedup)
         self.mean_length.setText(f"{stats.mean_accepted_length:.2f}")
         self.bound.setText(f"{stats.theoretical_speedup:.2f}×")
-        self.footer.setText(footer)
 
 
 class GenerationSettings(QGroupBox):

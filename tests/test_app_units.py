@@ -3,6 +3,7 @@ the conversation store, the settings wrapper, the answer footer."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -108,6 +109,8 @@ def test_footer_reads_like_the_issue_says():
     )
     footer = answer_footer(stats, "qwen2.5-coder-0.5b")
     assert footer.startswith("Draft: qwen2.5-coder-0.5b · accepted 143/180 (79%) · 2.1× faster")
+    unread = dataclasses.replace(stats, new_tokens=0, steps=0, proposed=0, accepted=0, stop_reason="cancelled")
+    assert answer_footer(unread, "qwen2.5-coder-0.5b") == "Draft: qwen2.5-coder-0.5b · stopped before the first token"
 
 
 def test_settings_round_trip_through_the_typed_wrapper(qapp, tmp_path, monkeypatch):

@@ -240,6 +240,7 @@ def test_a_long_prompt_shows_its_reading_and_stop_ends_it_before_the_first_token
         release.set()
     stopped = blocker.args[0]
     assert stopped.stopped and stopped.tokens == [] and window.live_token_ids() == []
+    assert stopped.footer.endswith("stopped before the first token")
     assert not any(s.startswith("Reading the prompt: 12 of") for s in statuses)  # no chunk after the stop
 
     window.side.generation.max_new_tokens.setValue(6)
