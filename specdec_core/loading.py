@@ -21,6 +21,7 @@ so it never stops to ask on a terminal.
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import json
 import struct
@@ -280,12 +281,62 @@ def prepare_for_cpu(model: Any, precision: str) -> None:
         else:
             quantize_linears_int8(model)
         apply_fusion(model)  # q/k/v and gate/up as one linear each: bitwise the same logits
+        copy_out_of_checkpoint_file(model)
         place_in_huge_pages(model.modules())  # streamed faster; before the fast layers note addresses
     # At every precision: a verify and plain decoding give bitwise-equal logits
     # (batch_invariant; measured at load by the self-check).
     make_batch_invariant(model)
     if precision in ("int8", "int4"):
         speed_up_layers(model)  # norms and rotary embedding in C: fewer calls a layer
+        _return_freed_memory()
+
+
+def copy_out_of_checkpoint_file(model: Any) -> int:
+    """Copy the tensors still read from the checkpoint file into the process's memory; bytes copied.
+
+    from_pretrained maps the safetensors file, and a tensor it loads as is stays a view of
+    that mapping. After quantization only a few remain (the norms' weights, biases, the
+    embedding), yet any one of them keeps the whole file mapped, and every page that
+    quantizing read stays counted in the process's resident memory: 8.2 GB for the 1.5B
+    at int4 (its converted fp32 file is 6.2 GB) against 1.9 GB of weights. Copied, the
+    mapping closes. Needs Linux's /proc/self/maps; elsewhere nothing moves.
+    """
+    files = _file_mappings()
+    copied = 0
+    for tensor in [*model.parameters(), *model.buffers()]:
+        address = tensor.data_ptr()
+        if tensor.numel() and any(start <= address < end for start, end in files):
+            tensor.data = tensor.data.clone()
+            copied += tensor.numel() * tensor.element_size()
+    return copied
+
+
+def _return_freed_memory() -> None:
+    """Hand the heap's free pages back to the OS (glibc's malloc_trim; elsewhere nothing).
+
+    Quantizing frees the full-precision copies it made, ~0.9 GB on the 1.5B, and glibc
+    keeps freed memory for later allocations, where it stays counted as the process's."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (AttributeError, OSError):
+        return
+    trim(0)
+
+
+def _file_mappings() -> list[tuple[int, int]]:
+    """Address ranges this process has mapped from files (inode not 0)."""
+    try:
+        with open("/proc/self/maps", encoding="ascii", errors="replace") as maps:
+            lines = maps.read().splitlines()
+    except OSError:
+        return []
+    ranges = []
+    for line in lines:
+        fields = line.split()
+        if len(fields) >= 6 and fields[4] != "0":
+            start, end = (int(part, 16) for part in fields[0].split("-"))
+            ranges.append((start, end))
+    return ranges
 
 
 def _oom_hint(device: str, precision: str) -> str:

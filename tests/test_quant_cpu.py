@@ -105,3 +105,22 @@ def test_int8_speculative_output_equals_int8_greedy(tokenizer, int8_target, draf
     prompt = tokenizer("def add(a, b):\n    return a + b\n")["input_ids"]
     done = list(engine.generate(prompt, GenerationParams(max_new_tokens=40, draft_length=5)))[-1]
     assert list(done.token_ids) == hf_greedy(int8_target, prompt, 40)
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_a_quantized_model_keeps_nothing_of_the_checkpoint_file_mapped(tiny_folder, precision):
+    from specdec_core import loading, native
+
+    if precision == "int4" and native.unavailable() is not None:
+        pytest.skip(native.unavailable())
+    if precision == "int8" and not int8_available():
+        pytest.skip("no int8 kernel on this CPU")
+    model = loading.load_model(str(tiny_folder), device="cpu", precision=precision).model
+    files = loading._file_mappings()
+    assert files  # the test reads Linux's map of the process (shared libraries at least)
+    in_file = [
+        name
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]
+        if any(start <= tensor.data_ptr() < end for start, end in files)
+    ]
+    assert in_file == []  # e.g. the norms' weights, which kept the whole file mapped and resident
