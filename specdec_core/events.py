@@ -37,8 +37,8 @@ class PrefillEvent:
 class ReadingEvent:
     """A long prompt is going through the target in chunks: `read` of its `total` new tokens so far.
 
-    Sent before the first chunk (read 0) and after each; the prompt's last chunk is
-    followed by the `PrefillEvent`. A short prompt, read in one forward, sends none.
+    Sent before each chunk (the first with read 0); the `PrefillEvent` follows the last
+    chunk. A prompt read in one forward sends none.
     """
 
     read: int
