@@ -188,6 +188,7 @@ class SpeculativeEngine:
                     run.stop_reason = "cancelled"
                     run.prefill_seconds = time.perf_counter() - start
                     return False
+                default_governor().maybe_adjust()  # a minute-long read follows the load too
             self.target.forward(pending[first : first + chunk], logits_to_keep=1)
             run.target_forwards += 1
         self.drafter.sync(tokens)

@@ -18,7 +18,10 @@ from specdec_core import openmp
 from specdec_core.batch_invariant import make_batch_invariant
 from specdec_core.engine import GenerationParams, SpeculativeEngine
 from specdec_core.errors import SpecdecError
+from specdec_core.events import ReadingEvent
+from specdec_core.loading import prepare_for_cpu
 from specdec_core.quant_cpu import int8_available, quantize_linears_int8
+from specdec_core.selfcheck import check_exactness
 from specdec_core.threads import ThreadGovernor, default_governor, parse_threads_setting
 
 
@@ -195,3 +198,24 @@ def test_a_users_own_openmp_spin_or_wait_policy_is_kept() -> None:
     unset: dict[str, str] = {}
     openmp.apply_defaults(unset)
     assert unset == {"GOMP_SPINCOUNT": openmp.SPIN_COUNT}
+
+
+def test_a_long_prompt_follows_the_governor_between_its_chunks(target, tokenizer, restore_threads: None) -> None:
+    model = copy.deepcopy(target)
+    prepare_for_cpu(model, "fp32")  # row-wise, so the engine reads long prompts in chunks
+    engine = SpeculativeEngine(model, tokenizer)
+    engine.exactness = check_exactness(engine)
+    engine.prefill_chunk = 4
+    governor = default_governor()
+    saved = governor.pinned
+    governor.pin(1)  # what the governor chooses when another process takes a core
+    torch.set_num_threads(2)
+    try:
+        threads_at_chunk = [
+            torch.get_num_threads()
+            for event in engine.generate(list(range(3, 20)), GenerationParams(max_new_tokens=2))
+            if isinstance(event, ReadingEvent)
+        ]
+    finally:
+        governor.pin(saved)
+    assert len(threads_at_chunk) == 4 and threads_at_chunk[1:] == [1, 1, 1]  # applied before chunk 1
