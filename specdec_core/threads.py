@@ -8,8 +8,9 @@ its quiet speed, at 1 thread it kept ~90% (docs/performance.md). So the thread c
 should be the number of cores other processes leave free, re-checked while running.
 
 How: about once a second (the engine calls `maybe_adjust()` once per step and before
-each chunk of a long prompt; most calls only read a clock) the governor reads how busy every core was since the last check
-and subtracts this process's own use: what is left is the load of other processes.
+each chunk of a long prompt; most calls only read a clock) the governor reads how busy
+every core was since the last check and subtracts this process's own use: what is left
+is the load of other processes.
 It drops threads at once when one of ours would share a core with more than half a
 core of someone else's work, and adds one back only after two checks in a row with
 a free core (hysteresis: a brief lull does not bring the collapse back).
