@@ -180,8 +180,8 @@ class SpeculativeEngine:
         start = time.perf_counter()
         reused = self.target.sync(tokens[:-1])
         pending = tokens[reused:-1]
-        chunk = self._prefill_chunk() or len(pending)
-        for first in range(0, len(pending), max(1, chunk)):
+        chunk = self._prefill_chunk() or max(1, len(pending))
+        for first in range(0, len(pending), chunk):
             if chunk < len(pending):
                 yield ReadingEvent(read=first, total=len(pending))
                 if cancel is not None and cancel.is_set():

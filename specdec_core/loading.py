@@ -291,8 +291,8 @@ def prepare_for_cpu(model: Any, precision: str) -> None:
         _return_freed_memory()
 
 
-def copy_out_of_checkpoint_file(model: Any) -> int:
-    """Copy the tensors still read from the checkpoint file into the process's memory; bytes copied.
+def copy_out_of_checkpoint_file(model: Any) -> None:
+    """Copy the tensors still read from the checkpoint file into the process's memory.
 
     from_pretrained maps the safetensors file, and a tensor it loads as is stays a view of
     that mapping. After quantization only a few remain (the norms' weights, biases, the
@@ -302,13 +302,10 @@ def copy_out_of_checkpoint_file(model: Any) -> int:
     mapping closes. Needs Linux's /proc/self/maps; elsewhere nothing moves.
     """
     files = _file_mappings()
-    copied = 0
     for tensor in [*model.parameters(), *model.buffers()]:
         address = tensor.data_ptr()
         if tensor.numel() and any(start <= address < end for start, end in files):
             tensor.data = tensor.data.clone()
-            copied += tensor.numel() * tensor.element_size()
-    return copied
 
 
 def _return_freed_memory() -> None:
