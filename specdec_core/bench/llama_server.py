@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -99,6 +100,20 @@ class ServerSpec:
         return words
 
 
+def _exit_reason(returncode: int) -> str:
+    """How the server ended, in words: a build made for another CPU dies of SIGILL at its
+    first instruction this CPU lacks, which its own log never says."""
+    if returncode >= 0:
+        return f"exited with code {returncode}"
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = f"signal {-returncode}"
+    if name == "SIGILL":
+        return "was killed by SIGILL (an instruction this CPU lacks: a build for another CPU, e.g. AVX-512)"
+    return f"was killed by {name}"
+
+
 class LlamaServer:
     """One running server process on a free local port; `close()` stops it."""
 
@@ -125,7 +140,7 @@ class LlamaServer:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise PeerUnavailable(
-                    f"llama-server exited with code {self.process.returncode} at start{self._last_log_line()}"
+                    f"llama-server {_exit_reason(self.process.returncode)} at start{self._last_log_line()}"
                 )
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=5) as reply:
