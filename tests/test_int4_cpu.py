@@ -104,7 +104,6 @@ def test_stacked_linears_compute_their_parts_side_by_side_exactly() -> None:
 
 
 @needs_kernel
-@needs_kernel
 @pytest.mark.parametrize("bits", [4, 6])
 @pytest.mark.parametrize("out_features", [40, 64])
 def test_packing_in_c_gives_the_bytes_of_quantize_then_pack(bits: int, out_features: int) -> None:
@@ -112,7 +111,7 @@ def test_packing_in_c_gives_the_bytes_of_quantize_then_pack(bits: int, out_featu
     weight = torch.randn(out_features, 128, generator=generator) * torch.logspace(-6, 3, 128)  # many scales
     weight[0, :32] = 0.37  # a constant group: step 0
     weight[1, 32:64] = torch.linspace(-1e-7, 1e-7, 32)  # steps in fp16's subnormals
-    weight[2, 64:96] = torch.randn(32, generator=generator) * 3e4  # near fp16's limit
+    weight[2, 64:96] = (torch.rand(32, generator=generator) * 2 - 1) * 3.27e4  # near the limit packing allows
     weight[3] = -weight[3].abs()  # all negative
     expected = int4_cpu.pack(*int4_cpu.quantize(weight, bits), bits=bits)
     assert torch.equal(int4_cpu.pack_weight(weight, bits), expected)
@@ -126,14 +125,22 @@ def test_unpacking_in_c_gives_the_values_of_unpack_then_dequantize(bits: int) ->
     assert torch.equal(linear.dense_weight(), expected)
 
 
-def test_weights_fp16_cannot_scale_do_not_fit() -> None:
-    linear = _linear(16, 64)
-    assert int4_cpu.fits(linear)
-    for bad in (float("nan"), float("inf"), -float("inf"), 40000.0, -40000.0):
+@needs_kernel
+@pytest.mark.parametrize("bits", [4, 6])
+def test_weights_fp16_cannot_scale_are_refused_by_packing_and_stay_int8(bits: int) -> None:
+    linear = _linear(40, 64)
+    int4_cpu.pack_weight(linear.weight, bits)
+    for row, bad in enumerate((float("nan"), float("inf"), -float("inf"), 40000.0, -40000.0)):
         broken = copy.deepcopy(linear)
-        broken.weight.data[3, 5] = bad
-        assert not int4_cpu.fits(broken)
-    assert not int4_cpu.fits(torch.nn.Linear(48, 16))  # not whole groups of 32 inputs
+        broken.weight.data[3 + 8 * row, 5 + 11 * row] = bad  # in different blocks and groups
+        with pytest.raises(int4_cpu.WeightsDoNotFit):
+            int4_cpu.pack_weight(broken.weight, bits)
+        model = torch.nn.Sequential(broken, copy.deepcopy(linear))
+        assert int4_cpu.quantize_linears_int4(model) == 1
+        assert isinstance(model[0], PerTokenInt8Linear) and isinstance(model[1], Int4Linear)
+    near_limit = copy.deepcopy(linear)
+    near_limit.weight.data[0, 0] = 32751.0  # just inside: packs
+    int4_cpu.pack_weight(near_limit.weight, bits)
 
 
 @needs_kernel
