@@ -362,12 +362,15 @@ def test_llama_server_is_skipped_with_the_reason_when_absent(
 def test_a_server_built_for_another_cpu_is_skipped_with_the_signal_named(tmp_path: Path) -> None:
     # An AVX-512 build on an AVX2 CPU logs a line, then dies at its first unknown instruction.
     binary = tmp_path / "llama-server"
-    binary.write_text(f"#!{sys.executable}\nimport os, signal\nprint('AMX is not ready')\nos.kill(os.getpid(), signal.SIGILL)\n")
+    script = "import os, signal\nprint('AMX is not ready')\nos.kill(os.getpid(), signal.SIGILL)\n"
+    binary.write_text(f"#!{sys.executable}\n{script}")
     binary.chmod(0o755)
     gguf = tmp_path / "t.gguf"
     gguf.write_bytes(b"GGUF")
     with ExitStack() as stack:
-        peers, skipped = start_peers(["llama-server"], str(gguf), None, 2, stack, binary=binary, log_dir=tmp_path)
+        peers, skipped = start_peers(
+            ["llama-server"], str(gguf), None, 2, stack, binary=binary, log_dir=tmp_path
+        )
     assert peers == {}
     assert "killed by SIGILL" in skipped["llama-server"] and "this CPU lacks" in skipped["llama-server"]
 
