@@ -60,13 +60,17 @@ class Choice:
 
 PLAIN = Choice()
 
-# A catch-up costing at most this many plain steps is paid whenever the model drafts.
-FREE_CATCH_UP_STEPS = 2.0
+# A catch-up costing at most this many plain steps is paid whenever the model drafts. A
+# short prompt leaves copies little to carry (measured: waiting on a 74-token word problem
+# cost a fifth of its speed once two copied numbers were accepted).
+FREE_CATCH_UP_STEPS = 4.0
 # Until copies have shown they carry this answer, the model waits only while the time that
 # costs stays under this share of its catch-up: a few steps, to see.
 EXPLORE_SHARE = 0.25
-# Copied tokens accepted in this answer that show copies carry it.
-COPIES_SHOWN = 2
+# Copies carry an answer once accepted copies make up at least this share of its tokens,
+# and at least COPIES_SHOWN of them.
+COPIED_SHARE = 0.5
+COPIES_SHOWN = 4
 
 
 class CatchUp:
@@ -81,13 +85,18 @@ class CatchUp:
     So while that debt is large the model waits (ski rental): each step adds the seconds
     the best non-model choice is expected to lose against the best model draft, priced
     without the debt, and the model drafts once that loss would pass the debt (at most
-    twice the cost of the better choice in hindsight), or `EXPLORE_SHARE` of it while no
-    copy has been accepted in this answer yet.
+    twice the cost of the better choice in hindsight), or `EXPLORE_SHARE` of it until
+    accepted copies make up half of this answer.
     """
 
     def __init__(self) -> None:
         self.lost = 0.0  # seconds lost so far by keeping the model off
         self.copies_accepted = 0  # in this answer, drafted or scored unused
+        self.tokens = 0  # committed in this answer
+
+    @property
+    def copies_carry(self) -> bool:
+        return self.copies_accepted >= max(COPIES_SHOWN, COPIED_SHARE * self.tokens)
 
     def defers(self, debt: float, costs: CostModel, options: list[tuple[float, Choice]]) -> bool:
         """Should this step keep the model off? `options` as `SourcePolicy.options` rates them."""
@@ -101,8 +110,7 @@ class CatchUp:
             return True
         seconds = costs.verify_seconds(choice.total + 1) or plain
         lost = seconds * (1.0 - rate / model_rate)  # its expected tokens, at the model's rate
-        shown = self.copies_accepted >= COPIES_SHOWN
-        if self.lost + lost > debt * (1.0 if shown else EXPLORE_SHARE):
+        if self.lost + lost > debt * (1.0 if self.copies_carry else EXPLORE_SHARE):
             return False
         self.lost += lost
         return True
@@ -260,6 +268,7 @@ class SourcePolicy:
     ) -> None:
         """The verdict of a step drafted as `choice` (the model may have stopped early, and
         `resumed` copies from a match of `resume_n` may have followed its tokens)."""
+        self.catch_up.tokens += accepted + 1
         if choice.lookup_tokens:
             self.lookup(match_n).observe(choice.lookup_tokens, min(accepted, choice.lookup_tokens))
             self.catch_up.copies_accepted += min(accepted, choice.lookup_tokens)

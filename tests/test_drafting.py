@@ -510,8 +510,19 @@ def test_while_copies_carry_the_answer_a_large_catch_up_waits_longer_but_not_for
 
 def test_copies_scored_unused_count_as_copies_that_carry_the_answer():
     policy = policy_with(model_runs=[(6, 6)] * 30)
-    policy.observe_unused_lookup(3, copies=[5, 6, 7], committed=[5, 6, 7])
+    policy.observe_unused_lookup(3, copies=[5, 6, 7, 8], committed=[5, 6, 7, 8])
     assert steps_until_the_model_drafts(policy, debt=1.0) >= 8
+
+
+def test_a_few_copied_words_in_a_longer_answer_do_not_make_the_model_wait_longer():
+    # Traced on a word problem: two copied numbers, and the model then waited 1/5 of the answer.
+    policy = policy_with(model_runs=[(6, 6)] * 30, lookup_runs=[(2, 2)] * 30)
+    for _ in range(6):
+        policy.observe(PLAIN, 0, proposed_model=0, accepted=0)
+    policy.observe(Choice(2, 0), 3, proposed_model=0, accepted=2)
+    policy.observe(Choice(2, 0), 3, proposed_model=0, accepted=2)
+    assert not policy.catch_up.copies_carry
+    assert steps_until_the_model_drafts(policy, debt=1.0) <= 6
 
 
 def test_the_lookup_drafter_prices_the_drafts_unread_prompt(tokenizer):
