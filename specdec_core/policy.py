@@ -61,15 +61,16 @@ class Choice:
 PLAIN = Choice()
 
 # A catch-up costing at most this many plain steps is paid whenever the model drafts. A
-# short prompt leaves copies little to carry (measured: waiting on a 74-token word problem
-# cost a fifth of its speed once two copied numbers were accepted).
+# short prompt leaves copies little to carry.
 FREE_CATCH_UP_STEPS = 4.0
-# Until copies have shown they carry this answer, the model waits only while the time that
-# costs stays under this share of its catch-up: a few steps, to see.
-EXPLORE_SHARE = 0.25
+# The tokens of an answer the model waits, to see whether copies carry it. Counted in
+# tokens, not in time lost: that loss is priced with the model's acceptance carried from
+# earlier answers, and where that sat low the wait stretched over most of an answer the
+# model drafted well once it ran (traced: 20 tok/s against 25 on edit-add-types).
+EXPLORE_TOKENS = 10
 # Copies carry an answer once accepted copies make up at least this share of its tokens,
-# and at least COPIES_SHOWN of them.
-COPIED_SHARE = 0.5
+# and at least COPIES_SHOWN of them (two copied numbers in a word problem do not).
+COPIED_SHARE = 1 / 3
 COPIES_SHOWN = 4
 
 
@@ -82,11 +83,11 @@ class CatchUp:
     so the answer ran at 0.91x of copies alone. Where copies carry an answer the read never
     pays back; where they do not, the model's every step pays it back a little.
 
-    So while that debt is large the model waits (ski rental): each step adds the seconds
-    the best non-model choice is expected to lose against the best model draft, priced
-    without the debt, and the model drafts once that loss would pass the debt (at most
-    twice the cost of the better choice in hindsight), or `EXPLORE_SHARE` of it until
-    accepted copies make up half of this answer.
+    So while that debt is large the model waits for the answer's first `EXPLORE_TOKENS`
+    tokens. If copies carry the answer by then, it goes on waiting (ski rental): each step
+    adds the seconds the best non-model choice is expected to lose against the best model
+    draft, priced without the debt, and the model drafts once that loss would pass the
+    debt (at most twice the cost of the better choice in hindsight). Otherwise it drafts.
     """
 
     def __init__(self) -> None:
@@ -103,14 +104,16 @@ class CatchUp:
         plain = costs.verify_seconds(1) or 0.0
         if debt <= FREE_CATCH_UP_STEPS * plain:
             return False
+        if not self.copies_carry:
+            return self.tokens < EXPLORE_TOKENS
         model_rate = max((rate for rate, choice in options if choice.model_tokens), default=0.0)
         rest = [(rate, choice) for rate, choice in options if not choice.model_tokens]
         rate, choice = max([(1.0 / plain, PLAIN), *rest], key=lambda o: o[0])
         if model_rate <= rate:
-            return True
+            return True  # nothing lost; a probe would pay the catch-up to learn nothing needed
         seconds = costs.verify_seconds(choice.total + 1) or plain
         lost = seconds * (1.0 - rate / model_rate)  # its expected tokens, at the model's rate
-        if self.lost + lost > debt * (1.0 if self.copies_carry else EXPLORE_SHARE):
+        if self.lost + lost > debt:
             return False
         self.lost += lost
         return True
