@@ -64,14 +64,9 @@ STRETCH_EVERY = 4
 PRIOR = 0.6
 PRIOR_WEIGHT = 2.0
 
-# A draft forward reading at least this many tokens (a prompt, a long catch-up) is timed
-# per token read: what a catch-up of that size costs before it is paid (`draft_read`).
-READ_MIN_TOKENS = 16
-
-# The kinds of forward timed: a target forward of m tokens (an int), or these three.
+# The kinds of forward timed: a target forward of m tokens (an int), or these two.
 DRAFT_TOKEN = "draft token"
 DRAFT_FIRST = "draft first"
-DRAFT_READ = "draft read"  # seconds per token of a long catch-up
 Kind = int | str
 
 
@@ -95,9 +90,7 @@ class CostModel:
     the tokens of plain or copied steps) is a debt paid whenever the model next drafts,
     so it is not booked: counted, it would make the model look dearer the longer it has
     been off and keep it off (measured: 70 plain steps of 81 on a prompt the model
-    drafted at 0.90, after the prompt's read became the first timing). Its price per token
-    is kept apart (`draft_read`, from reads of `READ_MIN_TOKENS` or more), for the policy's
-    choice of when to pay a large one (`policy.CatchUp`).
+    drafted at 0.90, after the prompt's read became the first timing).
     """
 
     def __init__(
@@ -135,19 +128,6 @@ class CostModel:
         """Seconds of a draft's first forward in the steady state."""
         return self._seconds(DRAFT_FIRST)
 
-    @property
-    def draft_read(self) -> float | None:
-        """Seconds per token of a long draft catch-up (a prompt read by the draft)."""
-        return self._seconds(DRAFT_READ)
-
-    def catch_up_seconds(self, tokens: int) -> float:
-        """What a draft forward reading `tokens` tokens costs beyond the steady state's first
-        forward (0 while no long read has been timed)."""
-        per_token = self.draft_read
-        if per_token is None or tokens <= STEADY_FIRST_TOKENS:
-            return 0.0
-        return (tokens - STEADY_FIRST_TOKENS) * per_token
-
     def _seconds(self, kind: Kind) -> float | None:
         shape = self._shape.get(kind)
         return None if shape is None else self.scale * shape
@@ -165,12 +145,6 @@ class CostModel:
         """A draft's first forward read `tokens` tokens in `seconds`."""
         if tokens <= STEADY_FIRST_TOKENS:
             self._observe(DRAFT_FIRST, seconds)
-        elif tokens >= READ_MIN_TOKENS:
-            self.observe_draft_read(tokens, seconds)
-
-    def observe_draft_read(self, tokens: int, seconds: float) -> None:
-        """A draft forward read `tokens` (at least `READ_MIN_TOKENS`) in `seconds`."""
-        self._observe(DRAFT_READ, seconds / tokens)
 
     def _observe(self, kind: Kind, seconds: float) -> None:
         """One timing: it moves the common scale (if its kind has a usual cost), then its
@@ -199,7 +173,7 @@ class CostModel:
 
     def forget_draft(self) -> None:
         """A new drafter has its own cost."""
-        for kind in (DRAFT_TOKEN, DRAFT_FIRST, DRAFT_READ):
+        for kind in (DRAFT_TOKEN, DRAFT_FIRST):
             self._shape.pop(kind, None)
             self._samples.pop(kind, None)
 

@@ -285,13 +285,6 @@ class ModelDrafter:
         self.window_start = max(0, len(tokens) - self.window)
         return tokens[self.window_start :], 0
 
-    def unread(self, tokens: Sequence[int]) -> int:
-        """How many tokens the next draft forward would read: those its cache lacks, or the
-        window's where that is more than `max_catch_up` (`_window`, without cropping)."""
-        seen = tokens[self.window_start :] if self.window_start < len(tokens) else tokens
-        missing = len(seen) - self.runner.prefix_length(seen[:-1])
-        return missing if missing <= self.max_catch_up else min(self.window, len(tokens))
-
     def runners(self) -> tuple[CachedModel, ...]:
         return (self.runner,)
 
@@ -482,8 +475,7 @@ class LookupThenModelDrafter:
     ) -> Draft:
         start = time.perf_counter()
         found, n = self.lookup_drafter.match(tokens, budget)
-        debt = self.policy.costs.catch_up_seconds(self.model.unread(tokens))
-        choice = self.policy.choose(budget, n, len(found), self.model.seconds_per_token(), debt)
+        choice = self.policy.choose(budget, n, len(found), self.model.seconds_per_token())
         self._step = _Step(choice, n, found)
         copied = found[: choice.lookup_tokens]
         if not choice.model_tokens:

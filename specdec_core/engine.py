@@ -110,9 +110,6 @@ class SpeculativeEngine:
                 self.costs.observe_verify(m, _time_forward(self.target, context, m))
             for runner in drafts:
                 self.costs.observe_draft(1, _time_forward(runner, context, 1))
-        for runner in drafts:  # what a draft's read of a prompt costs a token (policy.CatchUp)
-            seconds = _time_forward(runner, context, len(context), logits_to_keep=1)
-            self.costs.observe_draft_read(len(context), seconds)
         self.target.reset()
         self.drafter.reset()
         return self.costs
@@ -325,13 +322,12 @@ class SpeculativeEngine:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
 
-def _time_forward(runner: CachedModel, context: list[int], m: int, logits_to_keep: int | None = None) -> float:
-    """Seconds of one forward of m tokens after the cached context (by default a verify of
-    m - 1 drafts: logits for every token)."""
+def _time_forward(runner: CachedModel, context: list[int], m: int) -> float:
+    """Seconds of one forward of m tokens after the cached context (a verify of m - 1 drafts)."""
     runner.crop(len(context))
     runner.synchronize()  # CUDA runs kernels asynchronously: time the forward, not its launch
     start = time.perf_counter()
-    runner.forward(context[:m], logits_to_keep=m if logits_to_keep is None else logits_to_keep)
+    runner.forward(context[:m], logits_to_keep=m)
     runner.synchronize()
     return time.perf_counter() - start
 

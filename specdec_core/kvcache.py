@@ -120,17 +120,12 @@ class CachedModel:
         self.cache.crop(length - len(self.ids))  # transformers 5: negative = positions to remove
         del self.ids[length:]
 
-    def prefix_length(self, tokens: Sequence[int]) -> int:
-        """How many of `tokens`, from the first, the cache holds."""
+    def sync(self, tokens: Sequence[int]) -> int:
+        """Crop to the longest cached prefix of `tokens`; return its length."""
         n = 0
         limit = min(len(self.ids), len(tokens))
         while n < limit and self.ids[n] == tokens[n]:
             n += 1
-        return n
-
-    def sync(self, tokens: Sequence[int]) -> int:
-        """Crop to the longest cached prefix of `tokens`; return its length."""
-        n = self.prefix_length(tokens)
         self.crop(n)
         return n
 

@@ -60,67 +60,6 @@ class Choice:
 
 PLAIN = Choice()
 
-# A catch-up costing at most this many plain steps is paid whenever the model drafts. A
-# short prompt leaves copies little to carry.
-FREE_CATCH_UP_STEPS = 4.0
-# The tokens of an answer the model waits, to see whether copies carry it. Counted in
-# tokens, not in time lost: that loss is priced with the model's acceptance carried from
-# earlier answers, and where that sat low the wait stretched over most of an answer the
-# model drafted well once it ran (traced: 20 tok/s against 25 on edit-add-types).
-EXPLORE_TOKENS = 10
-# Copies carry an answer once accepted copies make up at least this share of its tokens,
-# and at least COPIES_SHOWN of them (two copied numbers in a word problem do not).
-COPIED_SHARE = 1 / 3
-COPIES_SHOWN = 4
-
-
-class CatchUp:
-    """When to pay a large catch-up: the tokens a model draft must first read.
-
-    At an answer's first model draft that is the whole prompt. Traced on a summary whose
-    answer copies the prompt (the Intel Xeon VM): the draft read the 158-token prompt in
-    268 ms, a tenth of the answer, and the later model steps saved no more than they cost,
-    so the answer ran at 0.91x of copies alone. Where copies carry an answer the read never
-    pays back; where they do not, the model's every step pays it back a little.
-
-    So while that debt is large the model waits for the answer's first `EXPLORE_TOKENS`
-    tokens. If copies carry the answer by then, it goes on waiting (ski rental): each step
-    adds the seconds the best non-model choice is expected to lose against the best model
-    draft, priced without the debt, and the model drafts once that loss would pass the
-    debt (at most twice the cost of the better choice in hindsight). Otherwise it drafts.
-    """
-
-    def __init__(self) -> None:
-        self.lost = 0.0  # seconds lost so far by keeping the model off
-        self.copies_accepted = 0  # in this answer, drafted or scored unused
-        self.tokens = 0  # committed in this answer
-
-    @property
-    def copies_carry(self) -> bool:
-        return self.copies_accepted >= max(COPIES_SHOWN, COPIED_SHARE * self.tokens)
-
-    def defers(self, debt: float, costs: CostModel, options: list[tuple[float, Choice]]) -> bool:
-        """Should this step keep the model off? `options` as `SourcePolicy.options` rates them."""
-        plain = costs.verify_seconds(1) or 0.0
-        if debt <= FREE_CATCH_UP_STEPS * plain:
-            return False
-        if not self.copies_carry:
-            return self.tokens < EXPLORE_TOKENS
-        model_rate = max((rate for rate, choice in options if choice.model_tokens), default=0.0)
-        rest = [(rate, choice) for rate, choice in options if not choice.model_tokens]
-        rate, choice = max([(1.0 / plain, PLAIN), *rest], key=lambda o: o[0])
-        if model_rate <= rate:
-            return True  # nothing lost; a probe would pay the catch-up to learn nothing needed
-        seconds = costs.verify_seconds(choice.total + 1) or plain
-        lost = seconds * (1.0 - rate / model_rate)  # its expected tokens, at the model's rate
-        if self.lost + lost > debt:
-            return False
-        self.lost += lost
-        return True
-
-    def paid(self) -> None:
-        self.lost = 0.0
-
 
 class SourcePolicy:
     """Chooses and learns, per generation, between lookup and model drafts."""
@@ -137,7 +76,6 @@ class SourcePolicy:
         self.stretcher = Stretcher()
         self._probe_model = False  # flips at every probe: the next one drafts with the model
         self._model_idle = 0  # steps since the model last drafted
-        self.catch_up = CatchUp()
 
     def carry_from(self, previous: SourcePolicy) -> None:
         """Keep what an earlier generation learned about each source's acceptance."""
@@ -191,16 +129,13 @@ class SourcePolicy:
             )
         return out
 
-    def choose(self, budget: int, match_n: int, found: int, t_draft: float, debt: float = 0.0) -> Choice:
-        """The step's draft: `found` tokens are available from a match of `match_n` tokens,
-        and a model draft would first pay `debt` seconds of catch-up beyond its usual one."""
-        choice = self._choose(budget, match_n, found, t_draft, debt)
+    def choose(self, budget: int, match_n: int, found: int, t_draft: float) -> Choice:
+        """The step's draft: `found` tokens are available from a match of `match_n` tokens."""
+        choice = self._choose(budget, match_n, found, t_draft)
         self._model_idle = 0 if choice.model_tokens else self._model_idle + 1
-        if choice.model_tokens:
-            self.catch_up.paid()
         return choice
 
-    def _choose(self, budget: int, match_n: int, found: int, t_draft: float, debt: float) -> Choice:
+    def _choose(self, budget: int, match_n: int, found: int, t_draft: float) -> Choice:
         budget = min(budget, self.max_k)
         if budget <= 0:
             return PLAIN
@@ -212,9 +147,6 @@ class SourcePolicy:
         if plain is None:  # nothing measured yet: a moderate draft, copies if there are any
             return Choice(min(found, 4, budget), 0) if found > 0 else Choice(0, min(4, budget))
         options = self.options(budget, match_n, found, t_draft)
-        if self.catch_up.defers(debt, self.costs, options):
-            rate, best = max(((r, c) for r, c in options if not c.model_tokens), default=(0.0, PLAIN))
-            return best if rate > 1.0 / plain else PLAIN
         rate, best = max(options, key=lambda o: o[0])
         if not best.model_tokens and self._model_idle >= self.prober.every:
             return self._model_probe(options)
@@ -271,16 +203,13 @@ class SourcePolicy:
     ) -> None:
         """The verdict of a step drafted as `choice` (the model may have stopped early, and
         `resumed` copies from a match of `resume_n` may have followed its tokens)."""
-        self.catch_up.tokens += accepted + 1
         if choice.lookup_tokens:
             self.lookup(match_n).observe(choice.lookup_tokens, min(accepted, choice.lookup_tokens))
-            self.catch_up.copies_accepted += min(accepted, choice.lookup_tokens)
         if proposed_model and accepted >= choice.lookup_tokens:
             self.model.observe(proposed_model, min(accepted - choice.lookup_tokens, proposed_model))
         head = choice.lookup_tokens + proposed_model
         if resumed and accepted >= head:
             self.lookup(resume_n).observe(resumed, min(accepted - head, resumed))
-            self.catch_up.copies_accepted += min(accepted - head, resumed)
         if choice.probe:
             self.prober.probe_result(head + resumed, accepted)
 
@@ -327,7 +256,6 @@ class SourcePolicy:
         m = 0
         while m < reached and copies[m] == committed[m]:
             m += 1
-        self.catch_up.copies_accepted += m
         if m < reached:
             self.lookup(match_n).observe(m + 1, m)  # rejected at m + 1
         elif m > 0:

@@ -101,7 +101,6 @@ def test_calibration_measures_target_and_draft_costs(tokenizer, target):
     costs = engine.calibrate(sizes=(1, 4))
     assert set(costs.verify) == {1, 4}
     assert costs.draft_token is not None and costs.draft_token > 0
-    assert costs.draft_read is not None and costs.draft_read > 0
     assert engine.target.ids == []  # calibration leaves no context behind
 
 
@@ -121,19 +120,6 @@ def test_a_drafts_first_forward_is_kept_apart_from_the_one_token_cost():
     assert costs.first_forward_extra() == pytest.approx(0.02)
     costs.forget_draft()
     assert costs.draft_token is None and costs.draft_first is None
-
-
-def test_a_long_draft_read_prices_a_catch_up_per_token():
-    costs = CostModel()
-    assert costs.catch_up_seconds(100) == 0.0  # not timed yet: nothing to weigh
-    costs.observe_draft_first(60, 0.6)  # the prompt, read at the model's first draft
-    assert costs.draft_read == pytest.approx(0.01)
-    assert costs.catch_up_seconds(100) == pytest.approx(0.98)  # beyond the steady state's two
-    assert costs.catch_up_seconds(2) == 0.0
-    costs.observe_draft_first(5, 0.3)  # too short to say what a token costs
-    assert costs.draft_read == pytest.approx(0.01)
-    costs.forget_draft()
-    assert costs.draft_read is None
 
 
 def test_one_stalled_forward_does_not_move_the_cost():

@@ -20,7 +20,7 @@ from specdec_core.drafters import (
 )
 from specdec_core.engine import GenerationParams, SpeculativeEngine
 from specdec_core.events import DoneEvent, StepEvent, TokenEvent
-from specdec_core.policy import EXPLORE_TOKENS, PLAIN, Choice, SourcePolicy
+from specdec_core.policy import PLAIN, Choice, SourcePolicy
 from specdec_core.selfcheck import BITWISE, ExactnessReport
 from specdec_core.stats import GenerationStats, speedup_bound, theoretical_speedup
 
@@ -477,79 +477,3 @@ def test_one_rejection_at_the_second_position_does_not_keep_model_drafts_at_one_
         policy.observe(choice, 0, choice.model_tokens, choice.model_tokens)  # all accepted
     assert lengths[0] == 1  # the rejection is believed at first ...
     assert max(lengths) >= 3  # ... and tested again within a few steps (was 11 steps at 1)
-
-
-def steps_until_the_model_drafts(policy: SourcePolicy, debt: float, copies_between: int = 0, limit: int = 60) -> int:
-    """Plain steps (nothing found to copy) before the policy first drafts with the model;
-    after each, a step of `copies_between` accepted copies when that is not 0."""
-    for step in range(limit):
-        choice = policy.choose(budget=8, match_n=0, found=0, t_draft=0.02, debt=debt)
-        if choice.model_tokens:
-            return step
-        assert choice == PLAIN
-        policy.observe(PLAIN, 0, proposed_model=0, accepted=0)
-        if copies_between:
-            policy.observe(Choice(copies_between, 0), 3, proposed_model=0, accepted=copies_between)
-    return limit
-
-
-def test_a_large_catch_up_waits_a_few_tokens_to_see_whether_copies_carry_the_answer():
-    # Traced on a summary: the draft's read of the prompt cost a tenth of an answer that
-    # copies carried; on an answer they do not carry, the wait must stay short.
-    good_model = [(6, 6)] * 30
-    assert steps_until_the_model_drafts(policy_with(model_runs=good_model), debt=0.15) == 0
-    assert steps_until_the_model_drafts(policy_with(model_runs=good_model), debt=1.0) == EXPLORE_TOKENS
-
-
-def test_while_copies_carry_the_answer_a_large_catch_up_waits_longer_but_not_forever():
-    policy = policy_with(model_runs=[(6, 6)] * 30, lookup_runs=[(6, 6)] * 30)
-    policy.observe(Choice(4, 0), 3, proposed_model=0, accepted=4)  # this answer copies
-    assert policy.catch_up.copies_carry
-    assert policy.choose(budget=8, match_n=3, found=6, t_draft=0.02, debt=1.0) == Choice(6, 0)
-    waited = steps_until_the_model_drafts(policy, debt=1.0, copies_between=3)
-    assert EXPLORE_TOKENS <= waited < 60
-    # Paid: the next catch-up is a step's, and the model drafts at once.
-    assert steps_until_the_model_drafts(policy, debt=0.05) == 0
-
-
-def test_copies_scored_unused_count_as_copies_that_carry_the_answer():
-    policy = policy_with(model_runs=[(6, 6)] * 30)
-    policy.observe_unused_lookup(3, copies=[5, 6, 7, 8], committed=[5, 6, 7, 8])
-    assert policy.catch_up.copies_carry
-
-
-def test_a_few_copied_words_in_a_longer_answer_do_not_make_the_model_wait():
-    # Traced on a word problem: two copied numbers, and the model then waited 1/5 of the answer.
-    policy = policy_with(model_runs=[(6, 6)] * 30, lookup_runs=[(2, 2)] * 30)
-    for _ in range(6):
-        policy.observe(PLAIN, 0, proposed_model=0, accepted=0)
-    policy.observe(Choice(2, 0), 3, proposed_model=0, accepted=2)
-    policy.observe(Choice(1, 0), 3, proposed_model=0, accepted=1)
-    assert not policy.catch_up.copies_carry
-    assert steps_until_the_model_drafts(policy, debt=1.0) == 0
-
-
-def test_the_lookup_drafter_prices_the_drafts_unread_prompt(tokenizer):
-    costs = CostModel(verify=dict(CPU_VERIFY), draft_token=0.02)
-    model = ModelDrafter(tiny_model(len(tokenizer), seed=1), "d")
-    drafter = LookupThenModelDrafter(model)
-    drafter.start(DraftPlan(costs=costs, max_k=8))
-    for _ in range(30):
-        drafter.policy.model.observe(6, 6)
-    prompt = list(range(5, 45))  # nothing repeats: nothing to copy
-    sampling = GenerationParams().sampling
-    assert model.unread(prompt) == len(prompt)
-    costs.observe_draft_read(32, 32 * 0.05)  # 1.9 s for this prompt: the model waits
-    assert drafter.draft(prompt, 8, sampling, None).source == DraftSource.NONE
-    costs.forget_draft()
-    costs.observe_draft(1, 0.02)
-    costs.observe_draft_read(32, 32 * 0.001)  # cheap: the model drafts
-    draft = drafter.draft(prompt, 8, sampling, None)
-    assert draft.source == DraftSource.MODEL
-    assert model.unread([*prompt, *draft.tokens]) == len(draft.tokens)
-
-
-def test_a_prompt_longer_than_the_catch_up_limit_counts_as_the_window_it_reads(tokenizer):
-    model = ModelDrafter(tiny_model(len(tokenizer), seed=1), "d")
-    model.max_catch_up, model.window = 16, 8
-    assert model.unread(list(range(5, 45))) == 8
