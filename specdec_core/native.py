@@ -84,6 +84,8 @@ def _load() -> ctypes.CDLL | KernelUnavailable:
     lib.int4_pack.restype = c_int
     lib.int4_unpack.argtypes = [pointer, size, size, c_int, pointer, c_int]
     lib.int4_unpack.restype = c_int
+    lib.int4_quantize_rows.argtypes = [pointer, size, size, pointer, pointer, pointer]
+    lib.int4_quantize_rows.restype = None
     lib.causal_attention.argtypes = [pointer] * 4 + [size] * 6 + [c_float, size, c_int]
     lib.causal_attention.restype = c_int
     lib.rms_norm.argtypes = [pointer, pointer, pointer, size, size, c_float]

@@ -76,6 +76,32 @@ def test_the_kernel_multiplies_int8_activations_by_the_low_bit_weights(bits: int
 
 
 @needs_kernel
+def test_activations_are_quantized_to_x_over_a_rounded_half_to_even_with_a_the_max_over_127() -> None:
+    rows, k = 6, 4 * GROUP
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(5)) * 3
+    x[1, :GROUP] = 0.0  # a group of zeros: scale 0, values 0
+    x[2, :GROUP] = torch.arange(-16, 16) + 0.5  # with a = 1, halves: rounding to even decides
+    x[2, GROUP - 1] = 127.0
+    x[3, 7] = float("nan")  # left out of the group's maximum
+    q = torch.empty(rows, k, dtype=torch.int8)
+    scale, scaled_sum = torch.empty(rows, k // GROUP), torch.empty(rows, k // GROUP)
+    native.library().int4_quantize_rows(
+        x.data_ptr(), rows, k, q.data_ptr(), scale.data_ptr(), scaled_sum.data_ptr()
+    )  # fmt: skip
+    groups = x.reshape(rows, -1, GROUP)
+    a = groups.abs().nan_to_num(0.0).amax(-1) / 127  # fp32, as the kernel divides
+    steps = torch.where(a[..., None] > 0, torch.round(groups / a[..., None]), 0.0)
+    expected = steps.nan_to_num(0.0).to(torch.int32).to(torch.int8).reshape(rows, k)
+    known = ~torch.isnan(x)
+    assert torch.equal(q[known], expected[known])
+    assert torch.equal(scale, a)
+    rows_ok = [r for r in range(rows) if r != 3]  # the NaN's group sum is undefined
+    sums = steps.sum(-1)[rows_ok]
+    assert torch.equal(scaled_sum[rows_ok], a[rows_ok] * sums)
+    assert torch.equal(q[1, :GROUP], torch.zeros(GROUP, dtype=torch.int8)) and scale[1, 0] == 0
+
+
+@needs_kernel
 @pytest.mark.parametrize("bits", [4, 6])
 def test_a_row_gets_the_same_numbers_in_any_batch_and_at_any_thread_count(bits: int) -> None:
     linear = Int4Linear.from_linear(_linear(72, 160, seed=3), bits)
