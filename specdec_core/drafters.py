@@ -370,14 +370,18 @@ class ModelDrafter:
             forward_start = time.perf_counter()
             logits = self._fit_vocab(self.runner.forward(pending, logits_to_keep=1)[-1])
             probs = sampling.probs(logits)
-            confidence = float(probs.max())  # reading it waits for an accelerator's kernels
+            # One pass for both: torch's argmax over a 151,936-token vocabulary took ~0.2 ms
+            # on a CPU, a fiftieth of the draft's forward. Softmax keeps the logits' order (bar
+            # ties from rounding, which could change only the draft's guess, never the output).
+            top, top_index = probs.max(-1)
+            confidence = float(top)  # reading it waits for an accelerator's kernels
             self._forward_times.append((len(pending), time.perf_counter() - forward_start))
             chance = self.calibration.accept_chance(confidence)
             # Its forward is paid; the token is still not worth the verify's extra position.
             if drafted and self.early_stop and reach * chance < self._break_even(forward=False):
                 break
             reach *= chance
-            token = int(logits.argmax()) if sampling.greedy else sample(probs, generator)
+            token = int(top_index) if sampling.greedy else sample(probs, generator)
             drafted.append(token)
             dists.append(probs)
             self._confidences.append(confidence)
