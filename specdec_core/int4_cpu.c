@@ -37,6 +37,21 @@
  * weights in 2 MB pages (huge_pages.py) none 38-40 ms, 4 ahead 32-34, 8 ahead 33, 16 ahead
  * 47-48: too far ahead, prefetches evict lines before they are read. */
 #define PREFETCH 8
+/* A pass with fewer rows than a tile streams its weights once and waits on memory. On an
+ * Intel core, prefetches into L1 hold its few line fill buffers; into L2 (T1) more reads
+ * are in flight. Measured on a Xeon (Sapphire Rapids, 2 MB pages, 2 threads, alternating
+ * builds, medians): the 1.5B's 1-row step 36.0 -> 33.7 ms with T1 12 ahead (T1 8 ahead:
+ * 34.5), a 4-row verify 44.0 -> 41.3, the 0.5B's step 10.8 -> 10.5; full tiles (a
+ * prompt's read, compute-bound) ran 1-7% slower with it, so they keep T0. native.py sets
+ * SPECDEC_INTEL_PREFETCH on Intel CPUs; AMD's figures above are T0's, and the AVX2 build
+ * (tuned on AMD) keeps T0. */
+#ifdef SPECDEC_INTEL_PREFETCH
+#define STREAM_HINT _MM_HINT_T1
+#define STREAM_AHEAD 12
+#else
+#define STREAM_HINT _MM_HINT_T0
+#define STREAM_AHEAD PREFETCH
+#endif
 #define SCALE_BYTES (2 * LANES * 2)
 /* |w| below half of fp16's largest value (65504), so a group's scale and minimum fit in fp16. */
 #define FITS_LIMIT 32752.0f
@@ -112,8 +127,12 @@ static inline __attribute__((always_inline)) void block_tile(
     const int64_t block_bytes = BLOCK_BYTES(bits);
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *blk = w + g * block_bytes;
-        for (int line = 0; line < block_bytes; line += 64)  /* never faults, even past the end */
-            _mm_prefetch((const char *)(blk + PREFETCH * block_bytes + line), _MM_HINT_T0);
+        for (int line = 0; line < block_bytes; line += 64) { /* never faults, even past the end */
+            if (rows < TILE) /* constant: block_tile is inlined for each row count */
+                _mm_prefetch((const char *)(blk + STREAM_AHEAD * block_bytes + line), STREAM_HINT);
+            else
+                _mm_prefetch((const char *)(blk + PREFETCH * block_bytes + line), _MM_HINT_T0);
+        }
         /* One row is bound by instructions, not by dot products: there the high nibbles
          * stay in place, summed apart (chains 1 and 3 take the odd vectors) and divided by
          * 16 at the end, exactly (a sum of multiples of 16; at most 16 x 15 x 127 x 16). */

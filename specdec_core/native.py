@@ -141,6 +141,16 @@ def _cpu_flags() -> frozenset[str]:
     )
 
 
+def _vendor_flags() -> tuple[str, ...]:
+    """Tuning for the CPU's maker: Intel cores stream weights faster when prefetched into L2
+    (int4_cpu.c, STREAM_HINT)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return ()
+    return ("-DSPECDEC_INTEL_PREFETCH",) if "GenuineIntel" in info else ()
+
+
 def _build(isa_flags: tuple[str, ...]) -> Path:
     """The compiled library in the cache folder, compiling it first if needed."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -150,7 +160,7 @@ def _build(isa_flags: tuple[str, ...]) -> Path:
         )
     try:
         text = b"".join(source.read_bytes() for source in (*SOURCES, *HEADERS))
-        flags = (*COMMON_FLAGS, *isa_flags)
+        flags = (*COMMON_FLAGS, *isa_flags, *_vendor_flags())
         key = hashlib.sha256(text + " ".join((compiler, *flags)).encode()).hexdigest()[:16]
         built = kernels_dir() / f"native-{key}.so"
         if built.exists():
