@@ -39,10 +39,10 @@
 #define PREFETCH 8
 /* A pass with fewer rows than a tile streams its weights once and waits on memory. On an
  * Intel core, prefetches into L1 hold its few line fill buffers; into L2 (T1) more reads
- * are in flight. Measured on a Xeon (Sapphire Rapids, 2 MB pages, 2 threads, alternating
- * builds, medians): the 1.5B's 1-row step 36.0 -> 33.7 ms with T1 12 ahead (T1 8 ahead:
- * 34.5), a 4-row verify 44.0 -> 41.3, the 0.5B's step 10.8 -> 10.5; full tiles (a
- * prompt's read, compute-bound) ran 1-7% slower with it, so they keep T0. native.py sets
+ * are in flight. Measured on a Xeon (Sapphire Rapids, 2 MB pages, 2 threads, builds
+ * alternating, medians): the 1.5B's 1-row step 36.0 -> 33.9 ms with T1 12 ahead (T1 8 and
+ * 10 ahead: 34.1-34.5), a 4-row verify 45.5 -> 41.4, the 0.5B's step 9.7 -> 9.2. Full
+ * tiles (a prompt's read, compute-bound) gained nothing from it and keep T0. native.py sets
  * SPECDEC_INTEL_PREFETCH on Intel CPUs; AMD's figures above are T0's, and the AVX2 build
  * (tuned on AMD) keeps T0. */
 #ifdef SPECDEC_INTEL_PREFETCH
@@ -60,8 +60,7 @@
 /* One row's groups: int8 values, scale a, and a * sum(values). The same numbers as
  *     a = max |x| / 127 (NaNs left out, as fmaxf does), v = (int)nearbyintf(x / a)
  * computed one value at a time; in vectors, since with one row it runs on one thread while
- * the other waits (a 4,864-input row took 8 us a value at a time, a tenth of a draft's
- * whole linear). */
+ * the other waits (the draft's 4,864-input row took ~8 us a value at a time). */
 static void quantize_row(const float *x, int64_t k, int8_t *q, float *scale, float *scaled_sum) {
     for (int64_t g = 0; g < k / GROUP; g++) {
         const float *xs = x + g * GROUP;
