@@ -18,7 +18,6 @@
  * channels' fp16 scales and their 16 fp16 minimums.
  */
 #include <immintrin.h>
-#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 

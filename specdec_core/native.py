@@ -130,25 +130,24 @@ def _best_isa(cpu: frozenset[str]) -> tuple[str, frozenset[str], tuple[str, ...]
     return next((entry for entry in ISAS if entry[1] <= cpu), None)
 
 
+def _cpuinfo() -> str:
+    """The kernel's description of the CPU (Linux); elsewhere empty."""
+    try:
+        return Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
 def _cpu_flags() -> frozenset[str]:
     """From the kernel's flags for the CPU (Linux); elsewhere none, and the kernels are not offered."""
-    try:
-        info = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return frozenset()
-    return frozenset(
-        next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
-    )
+    lines = _cpuinfo().splitlines()
+    return frozenset(next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), []))
 
 
 def _vendor_flags() -> tuple[str, ...]:
     """Tuning for the CPU's maker: Intel cores stream weights faster when prefetched into L2
     (int4_cpu.c, STREAM_HINT)."""
-    try:
-        info = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return ()
-    return ("-DSPECDEC_INTEL_PREFETCH",) if "GenuineIntel" in info else ()
+    return ("-DSPECDEC_INTEL_PREFETCH",) if "GenuineIntel" in _cpuinfo() else ()
 
 
 def _build(isa_flags: tuple[str, ...]) -> Path:
