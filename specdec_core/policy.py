@@ -40,14 +40,16 @@ from .adaptive import (
     AcceptanceEstimate,
     CostModel,
     Prober,
-    Stretcher,
     perfect_draft_pays,
 )
 
 
 @dataclass(frozen=True)
 class Choice:
-    """How many copied tokens, then how many model tokens, to draft (0 and 0: a plain step)."""
+    """How many copied tokens, then how many model tokens, to draft (0 and 0: a plain step).
+
+    Unless k is pinned, the model tokens are a plan: the draft goes on past it while its
+    tokens stay confident enough to pay (`ModelDrafter.run_limit`)."""
 
     lookup_tokens: int = 0
     model_tokens: int = 0
@@ -73,7 +75,6 @@ class SourcePolicy:
         self.model = AcceptanceEstimate(max_k)
         self._lookup: dict[int, AcceptanceEstimate] = {}
         self.prober = Prober(probe_every)
-        self.stretcher = Stretcher()
         self._probe_model = False  # flips at every probe: the next one drafts with the model
         self._model_idle = 0  # steps since the model last drafted
 
@@ -152,10 +153,9 @@ class SourcePolicy:
             return self._model_probe(options)
         if rate > 1.0 / plain:
             self.prober.drafted()
-            if not best.model_tokens:
-                return best  # copies: the match decides how far they go
-            room = budget - best.lookup_tokens
-            return Choice(best.lookup_tokens, self.stretcher.stretch(best.model_tokens, room, self.model))
+            # Copies: the match decides how far they go. Model tokens: the planned length only
+            # prices the step; the draft's early stop ends the run (`ModelDrafter.run_limit`).
+            return best
         could_pay = found > 0 or perfect_draft_pays(self.costs, budget, t_draft)
         if self.prober.plain_step(could_pay) or self._untried(best, match_n):
             return self._probe(best, options)
@@ -233,7 +233,9 @@ class SourcePolicy:
         if room <= 0 or self.pinned is not None or not measured or resume_n <= 0:
             return 0
         verify = [self.costs.verify_seconds(m) or 0.0 for m in range(budget + 2)]
-        model = self.model.expected_curve(max(step.model_tokens, drafted))
+        # A run past its plan goes on while the draft is confident: price one more token.
+        rest = max(step.model_tokens - drafted, 1)
+        model = self.model.expected_curve(drafted + rest)
         reach = self.lookup_survival(match_n, step.lookup_tokens)
         before = self.lookup(match_n).expected_curve(step.lookup_tokens)[-1] if step.lookup_tokens else 1.0
         tokens = before + reach * (model[drafted] - 1.0)
@@ -242,7 +244,6 @@ class SourcePolicy:
         def rate(more_tokens: float, more_seconds: float, size: int) -> float:
             return (tokens + more_tokens) / (spent + more_seconds + verify[size + 1])
 
-        rest = step.model_tokens - drafted
         model_rate = rate(reach * (model[drafted + rest] - model[drafted]), rest * t_draft, head + rest)
         survive = reach * self.model.survival(drafted)
         copies = self.lookup(resume_n).expected_curve(room)

@@ -370,7 +370,7 @@ def test_stats_carry_the_engine_exactness_label(tokenizer, target):
     assert done.stats.as_dict()["exactness"] == "bitwise"
 
 
-def test_calibration_times_the_runners_the_strategy_names(tokenizer, target):
+def test_calibration_times_the_runners_the_draftingnames(tokenizer, target):
     for strategy, timed in ((NgramDrafter(), False), (ModelDrafter(tiny_model(len(tokenizer)), "d"), True)):
         engine = SpeculativeEngine(target, tokenizer, strategy)
         costs = engine.calibrate(sizes=(1,), repeats=1)
@@ -462,18 +462,38 @@ def test_copies_drafted_now_and_then_do_not_keep_the_model_from_being_tried_agai
     assert 1 <= model_steps <= 40 // policy.prober.every
 
 
-def test_one_rejection_at_the_second_position_does_not_keep_model_drafts_at_one_token():
-    # Carried from a well-drafted answer, then position 2 rejected once: its rate rests on
-    # that verdict, and k = 1 alone would never test position 2 again.
-    costs = CostModel(verify=dict(CPU_VERIFY), draft_token=0.045)
-    before = policy_with(model_runs=[(4, 4)] * 30)
-    policy = SourcePolicy(costs, max_k=8)
-    policy.carry_from(before)
-    policy.observe(Choice(0, 4), 0, proposed_model=4, accepted=1)
-    lengths = []
-    for _ in range(8):
-        choice = policy.choose(budget=8, match_n=0, found=0, t_draft=0.045)
-        lengths.append(choice.model_tokens)
-        policy.observe(choice, 0, choice.model_tokens, choice.model_tokens)  # all accepted
-    assert lengths[0] == 1  # the rejection is believed at first ...
-    assert max(lengths) >= 3  # ... and tested again within a few steps (was 11 steps at 1)
+def sure_drafter(target, costs: CostModel, pinned: int | None = None) -> ModelDrafter:
+    """The target as its own draft, calibrated as always right: every token it drafts pays."""
+    drafter = ModelDrafter(target, "same")
+    for b in range(ConfidenceCalibration.BINS):
+        for _ in range(20):
+            drafter.calibration.observe((b + 0.5) / ConfidenceCalibration.BINS, True)
+    drafter.start(DraftPlan(costs=costs, pinned=pinned))
+    return drafter
+
+
+@pytest.mark.parametrize("strategy", ["model", "policy"])
+def test_a_sure_draft_runs_past_a_short_planned_length(tokenizer, target, strategy):
+    # Acceptance by position says one token (position 2 was rejected again and again),
+    # but each token of this draft is sure: the early stop, not the plan, ends the run.
+    costs = CostModel(verify=dict(CPU_VERIFY), draft_token=0.02)
+    drafter = sure_drafter(target, costs)
+    drafting = drafter if strategy == "model" else LookupThenModelDrafter(drafter)
+    drafting.start(DraftPlan(costs=costs))
+    estimate = drafter.controller.acceptance if strategy == "model" else drafting.policy.model
+    for _ in range(30):
+        estimate.observe(2, 1)
+    planned = (
+        drafter.controller.choose_k(limit=8) if strategy == "model" else drafting.policy.choose(8, 0, 0, 0.02).model_tokens
+    )
+    assert planned == 1
+    prompt = tokenizer("def add(a, b):")["input_ids"]
+    draft = drafting.draft(prompt, 8, GenerationParams().sampling, None)
+    assert len(draft.tokens) == 8
+
+
+def test_a_pinned_length_is_drafted_exactly_even_when_sure(tokenizer, target):
+    costs = CostModel(verify=dict(CPU_VERIFY), draft_token=0.02)
+    drafter = sure_drafter(target, costs, pinned=2)
+    prompt = tokenizer("def add(a, b):")["input_ids"]
+    assert len(drafter.draft(prompt, 8, GenerationParams().sampling, None).tokens) == 2
