@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
@@ -136,6 +136,21 @@ def stop_token_ids(tokenizer: Any, model: Any = None) -> set[int]:
         ids.add(config_eos)
     elif config_eos:
         ids.update(int(i) for i in config_eos)
+    return ids
+
+
+def template_token_ids(tokenizer: Any) -> set[int]:
+    """The ids a conversation is wrapped in whatever its text: the tokenizer's special and
+    added tokens, and the ids of its chat template rendered around empty messages (role
+    names, turn markers, a default system prompt). Only the special ones if it renders none."""
+    ids = {int(i) for i in getattr(tokenizer, "all_special_ids", ())}
+    ids.update(int(i) for i in getattr(tokenizer, "added_tokens_decoder", {}))
+    if not getattr(tokenizer, "chat_template", None):
+        return ids
+    empty = [Message("user", ""), Message("assistant", ""), Message("user", "")]
+    # A template may refuse empty turns; the conversations it renders will say more.
+    with suppress(ChatTemplateError):
+        ids.update(encode_chat(tokenizer, empty, time_limit_s=TEMPLATE_TIME_LIMIT_S))
     return ids
 
 

@@ -9,11 +9,13 @@ the others, and the output is untouched: the target verifies every token, and th
 ids left out get draft probability 0 (logit -inf), so rejection sampling still gives
 the target's distribution.
 
-Which rows come first: the stop tokens (so a draft can end an answer), then the rest
-by id. Byte-level BPE vocabularies number tokens in merge order, so low ids are the
+Which rows come first: the stop tokens (so a draft can end an answer), then every
+conversation's wrapping (special tokens, turn markers, role names: `chat.template_token_ids`;
+counted outside a tier, these few ids alone kept short chats from every tier), then the
+rest by id. Byte-level BPE vocabularies number tokens in merge order, so low ids are the
 common merges: in this repo's docs and code, and in the bench prompts, no token of
-Qwen2.5's vocabulary at or above id 100,000 appears (outside the chat template's own
-tokens). Other scripts live higher up (Chinese, Korean, Russian text: 30-45% of tokens
+Qwen2.5's vocabulary at or above id 100,000 appears outside the chat template's own
+tokens. Other scripts live higher up (Chinese, Korean, Russian text: 30-45% of tokens
 at or above 100,000), so `VocabTiers` picks the prefix per draft from the ids the
 conversation itself uses, and scores every row when a prefix would miss too many.
 """

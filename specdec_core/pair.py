@@ -12,7 +12,7 @@ import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .chat import stop_token_ids
+from .chat import stop_token_ids, template_token_ids
 from .compat import rate_draft
 from .draft_int4 import speed_up_draft
 from .draft_vocab import rank_head
@@ -133,8 +133,11 @@ def load_draft(
         # The target's head keeps 6 bits; a draft's may round more, and its rows go by rank so
         # a step can score only those the conversation needs (draft_vocab.py).
         head_to_int4(draft.model)
-        stops = sorted(stop_token_ids(target.tokenizer, target.model) | stop_token_ids(draft.tokenizer, draft.model))
-        if rank_head(draft.model, stops) is not None:
+        stops = stop_token_ids(target.tokenizer, target.model) | stop_token_ids(draft.tokenizer, draft.model)
+        # Then every conversation's wrapping: counted outside a tier, the 5 ids of its turn
+        # markers and role names alone kept a 150-token chat from any tier.
+        wrapping = template_token_ids(target.tokenizer) - stops
+        if rank_head(draft.model, [*sorted(stops), *sorted(wrapping)]) is not None:
             place_in_huge_pages([draft.model.get_output_embeddings()])
     return make_drafter(spec, target, draft), draft
 

@@ -9,6 +9,7 @@ import torch
 from tiny import hf_greedy, tiny_model
 
 from specdec_core import native
+from specdec_core.chat import Message, encode_chat, encode_text, template_token_ids
 from specdec_core.draft_vocab import MAX_MISS, RankedHead, VocabTiers, rank_head, rank_order
 from specdec_core.drafters import LookupThenModelDrafter, ModelDrafter
 from specdec_core.engine import GenerationParams, SpeculativeEngine
@@ -20,6 +21,23 @@ needs_kernel = pytest.mark.skipif(native.unavailable() is not None, reason="no C
 
 def test_stop_tokens_rank_first_then_every_other_id_by_id() -> None:
     assert rank_order(8, first=[6, 2, 6, 99]).tolist() == [6, 2, 0, 1, 3, 4, 5, 7]
+
+
+def test_a_conversations_wrapping_is_its_special_tokens_and_its_templates_own_text(tokenizer) -> None:
+    # Ranked first, these never count against a tier: a chat's turn markers and role names
+    # alone kept short conversations from every tier.
+    wrapping = template_token_ids(tokenizer)
+    assert set(tokenizer.all_special_ids) <= wrapping
+    assert set(encode_text(tokenizer, "assistant", add_special_tokens=False)) <= wrapping
+    text = "def add(a, b):\n    return a + b"
+    chat = encode_chat(tokenizer, [Message("user", text)])
+    assert set(chat) - wrapping <= set(encode_text(tokenizer, text, add_special_tokens=False))
+
+
+def test_a_template_that_refuses_empty_turns_leaves_the_special_tokens(tokenizer) -> None:
+    picky = copy.deepcopy(tokenizer)
+    picky.chat_template = "{{ raise_exception('say something') }}"
+    assert template_token_ids(picky) == set(tokenizer.all_special_ids) | set(tokenizer.added_tokens_decoder)
 
 
 def _int4_draft(v: int, seed: int = 0):
