@@ -134,9 +134,9 @@ def load_draft(
         # a step can score only those the conversation needs (draft_vocab.py).
         head_to_int4(draft.model)
         stops = stop_token_ids(target.tokenizer, target.model) | stop_token_ids(draft.tokenizer, draft.model)
-        # Then every conversation's wrapping: counted outside a tier, the 5 ids of its turn
-        # markers and role names alone kept a 150-token chat from any tier.
-        wrapping = template_token_ids(target.tokenizer) - stops
+        # Then every conversation's wrapping (rank_order keeps an id's first place): counted
+        # outside a tier, its turn markers and role names alone kept a 150-token chat from any tier.
+        wrapping = template_token_ids(target.tokenizer)
         if rank_head(draft.model, [*sorted(stops), *sorted(wrapping)]) is not None:
             place_in_huge_pages([draft.model.get_output_embeddings()])
     return make_drafter(spec, target, draft), draft
