@@ -28,6 +28,7 @@ int8 head's (docs/engine.md). A draft's head takes 4 bits (`head_to_int4`).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -148,11 +149,20 @@ def pack_weight(weight: torch.Tensor, bits: int = 4) -> torch.Tensor:
     return packed
 
 
+class ManyRowPath(Protocol):
+    """Another kernel for forwards of `min_rows` tokens or more (a draft's reads, see draft_bulk)."""
+
+    min_rows: int
+
+    def matmul(self, rows: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
+
+
 class Int4Linear(nn.Module):
     """A linear with 4-bit (or 6-bit) weights, run by `int4_cpu.c`; fp32 in, fp32 out."""
 
     bias: nn.Parameter | None
     packed: torch.Tensor
+    many_rows: ManyRowPath | None = None  # never set on a target: it changes the numbers
 
     def __init__(self, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -181,7 +191,11 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Called ~100 times a step: no work here that fp32, contiguous input does not need.
-        y = self.matmul(x.reshape(-1, self.in_features), self.out_features)
+        rows = x.reshape(-1, self.in_features)
+        if self.many_rows is not None and rows.shape[0] >= self.many_rows.min_rows:
+            y = self.many_rows.matmul(rows, self.bias)
+        else:
+            y = self.matmul(rows, self.out_features)
         return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def matmul(self, rows: torch.Tensor, n_out: int) -> torch.Tensor:

@@ -56,8 +56,11 @@ void rotary(const float *x, int64_t row_stride, const float *cos, const float *s
 /* out [rows, n] = silu(gate) * up from gate_up [rows, 2n] (gate first), silu(g) = g / (1 + e^-g)
  * with our own e^x (simd_math.h), so every path of a layer computes the same numbers. e^x
  * is only taken of -|g|: g * e^g / (1 + e^g) for negative g, the same value without overflow. */
-void silu_mul(const float *gate_up, float *out, int64_t rows, int64_t n) {
+void silu_mul(const float *gate_up, float *out, int64_t rows, int64_t n, int threads) {
     const v16f one = v16_set1_ps(1.0f), zero = v16_setzero_ps();
+    /* A prompt's rows split between the threads (each row's numbers are its own); a step's
+     * few rows cost less than waking them. */
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows >= 16)
     for (int64_t r = 0; r < rows; r++) {
         const float *gate = gate_up + r * 2 * n, *up = gate + n;
         for (int64_t i = 0; i < n; i += 16) {
@@ -125,7 +128,7 @@ int decoder_layer(const layer_weights *w, float *x, int64_t rows, const float *c
     add_into(x, projected, rows * hidden);
     rms_norm(x, w->post_norm, normed, rows, hidden, w->post_eps);
     status |= linear(&w->gate_up, normed, rows, wide, threads);
-    silu_mul(wide, act, rows, w->intermediate);
+    silu_mul(wide, act, rows, w->intermediate, threads);
     status |= linear(&w->down, act, rows, projected, threads);
     add_into(x, projected, rows * hidden);
     free(scratch);
@@ -141,4 +144,39 @@ int decoder_stack(const layer_weights *const *layers, int64_t n_layers, float *x
     for (int64_t i = 0; i < n_layers; i++)
         if (decoder_layer(layers[i], x, rows, cos, sin, keys[i], values[i], capacity[i], past, threads)) return -1;
     return 0;
+}
+
+/* Rows of x [rows, k] as oneDNN's int8 matmul takes them (draft_bulk.py): each row's scale
+ * max |x| / 127 (never below 1e-12 / 127), and q = round(x / scale) + 128 as uint8, the
+ * kernel's zero point. One pass instead of torch's six. */
+void int8_quantize_rows(const float *x, int64_t rows, int64_t k, uint8_t *q, float *scale, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * k;
+        v16f top = v16_setzero_ps();
+        int64_t i = 0;
+        for (; i + 16 <= k; i += 16) top = v16_max_ps(top, v16_abs_ps(v16_loadu_ps(xr + i)));
+        float largest = v16_mask_reduce_max_ps((v16mask)0xFFFF, top);
+        for (; i < k; i++) largest = fmaxf(largest, fabsf(xr[i]));
+        float s = fmaxf(largest, 1e-12f) / 127.0f;
+        scale[r] = s;
+        uint8_t *qr = q + r * k;
+        /* Adding and taking away 1.5 x 2^23 rounds |v| <= 127 to the nearest integer, ties to
+         * even (as torch.round), in a loop the compiler vectorizes. */
+        for (i = 0; i < k; i++) qr[i] = (uint8_t)((int)((xr[i] / s + 12582912.0f) - 12582912.0f) + 128);
+    }
+}
+
+/* y [rows, n], the integer sums, scaled in place by its row's and its column's scale, plus
+ * bias [n] unless it is NULL. */
+void int8_scale_rows(float *y, int64_t rows, int64_t n, const float *row_scale, const float *col_scale,
+                     const float *bias, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        float *yr = y + r * n, s = row_scale[r];
+        if (bias)
+            for (int64_t c = 0; c < n; c++) yr[c] = yr[c] * s * col_scale[c] + bias[c];
+        else
+            for (int64_t c = 0; c < n; c++) yr[c] = yr[c] * s * col_scale[c];
+    }
 }

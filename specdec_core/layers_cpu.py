@@ -36,6 +36,7 @@ precisions); a layer of any other shape keeps transformers' forward.
 from __future__ import annotations
 
 import ctypes
+import sys
 from typing import Any
 
 import torch
@@ -171,6 +172,10 @@ def _c_linear(linear: Int4Linear) -> _Linear:
 class FastLayer:
     """Mixin for a decoder layer: its forward in fewer calls (see the module docstring)."""
 
+    # Forwards of this many rows or more skip the one call, so that linears with a path
+    # of their own for many rows (a draft's reads, draft_bulk) run it.
+    bulk_rows: int = sys.maxsize
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -193,7 +198,7 @@ class FastLayer:
         cos, sin = position_embeddings
         rows, head_dim = hidden_states.shape[1], attention.head_dim
         layer_cache = cache.layers[attention.layer_idx] if cache is not None else None
-        if layer.one_call is not None and isinstance(layer_cache, BufferLayer):
+        if layer.one_call is not None and isinstance(layer_cache, BufferLayer) and rows < layer.bulk_rows:
             return _one_call(layer, hidden_states, cos, sin, layer_cache)
         normed = rms_norm(hidden_states, layer.input_layernorm)
         query = rotary(attention.q_proj(normed), cos, sin, head_dim)
@@ -238,7 +243,7 @@ class OneCallStack:
 
     def __init__(self, model: Any) -> None:
         self.model = model
-        layers = model.model.layers
+        layers = self.layers = model.model.layers
         self.weights = [layer.one_call for layer in layers]
         self._pointers = (ctypes.c_void_p * len(layers))(*(ctypes.addressof(w) for w in self.weights))
 
@@ -261,6 +266,8 @@ class OneCallStack:
         if len(layer_caches) != len(self.weights) or not all(isinstance(c, BufferLayer) for c in layer_caches):
             return None
         inner, rows = self.model.model, input_ids.shape[1]
+        if rows >= self.layers[0].bulk_rows:
+            return None  # the layers' own forwards, with their linears' paths for many rows
         hidden = inner.embed_tokens(input_ids).float().contiguous()  # updated in place by the layers
         past = layer_caches[0].get_seq_length()
         positions = torch.arange(past, past + rows, device=hidden.device).unsqueeze(0)
@@ -316,5 +323,5 @@ def silu_mul(gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
     gate_up = gate_up.float().contiguous()
     out = torch.empty(*gate_up.shape[:-1], intermediate)
     rows = gate_up.numel() // (2 * intermediate)
-    native.library().silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, intermediate)
+    native.library().silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, intermediate, torch.get_num_threads())
     return out

@@ -92,8 +92,12 @@ def _load() -> ctypes.CDLL | KernelUnavailable:
     lib.rms_norm.restype = None
     lib.rotary.argtypes = [pointer, size, pointer, pointer, pointer, size, size, size, size]
     lib.rotary.restype = None
-    lib.silu_mul.argtypes = [pointer, pointer, size, size]
+    lib.silu_mul.argtypes = [pointer, pointer, size, size, c_int]
     lib.silu_mul.restype = None
+    lib.int8_quantize_rows.argtypes = [pointer, size, size, pointer, pointer, c_int]
+    lib.int8_quantize_rows.restype = None
+    lib.int8_scale_rows.argtypes = [pointer, size, size, pointer, pointer, pointer, c_int]
+    lib.int8_scale_rows.restype = None
     lib.decoder_layer.argtypes = [pointer, pointer, size, pointer, pointer, pointer, pointer, size, size, c_int]
     lib.decoder_layer.restype = c_int
     lib.decoder_stack.argtypes = [pointer, size, pointer, size, pointer, pointer, pointer, pointer, pointer, size, c_int]

@@ -60,7 +60,7 @@ def int8_available() -> bool:
     return "fbgemm" in torch.backends.quantized.supported_engines or kernel_name() == "onednn"
 
 
-def _onednn_available() -> bool:
+def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")
 
 
@@ -69,7 +69,7 @@ def kernel_name() -> str:
     """The kernel new int8 linears use in this process: oneDNN where it sums exactly."""
     if os.environ.get(KERNEL_ENV, "").strip().lower() == "fbgemm":
         return "fbgemm"
-    if _onednn_available():
+    if onednn_available():
         # oneDNN reads its ISA cap once, at first use. With AMX, interleaved on a 2-core
         # VM (docs/performance.md), verifies and prefill got 20-45% cheaper but plain
         # decoding ran at 0.80x fbgemm, jumping between 63 and 170 ms a step; the AVX-512
@@ -90,7 +90,7 @@ def _onednn_sums_exactly() -> bool:
     for rows in (1, 16):
         q = torch.full((rows, 256), 127, dtype=torch.int8)
         q[1::2] = -127
-        sums = OnednnInt8(weight, torch.ones(64))._sums((q.short() + _ZERO_POINT).to(torch.uint8))
+        sums = OnednnInt8(weight, torch.ones(64)).sums((q.short() + _ZERO_POINT).to(torch.uint8))
         if not torch.equal(sums, (q.long() @ weight.long().t()).float()):
             return False
     return True
@@ -123,7 +123,7 @@ class OnednnInt8:
         # Unsigned activations with zero point 128: oneDNN's int8 kernels without AMX take
         # only u8 x s8 at speed (s8 x s8 falls back to a reference loop hundreds of times slower).
         q = torch.round(x / s).add_(_ZERO_POINT).to(torch.uint8)
-        return self._sums(q).mul_(s).mul_(self.scales)
+        return self.sums(q).mul_(s).mul_(self.scales)
 
     def __deepcopy__(self, memo: dict[int, object]) -> OnednnInt8:
         # oneDNN's packed tensor has no storage to copy; it is never written, so share it.
@@ -131,7 +131,7 @@ class OnednnInt8:
         copied.scales = self.scales.clone()
         return copied
 
-    def _sums(self, q: torch.Tensor) -> torch.Tensor:
+    def sums(self, q: torch.Tensor) -> torch.Tensor:
         return torch.ops.onednn.qlinear_pointwise(
             q, 1.0, _ZERO_POINT, self.packed, self._unit, self._zero, None, 1.0, 0, torch.float32, "none", [], ""
         )
@@ -144,7 +144,7 @@ class OnednnInt8:
             rows = min(_RECOVER_ROWS, in_features - start)
             eye = torch.full((rows, in_features), _ZERO_POINT, dtype=torch.uint8)
             eye[:, start : start + rows].fill_diagonal_(_ZERO_POINT + 1)
-            chunks.append(self._sums(eye))
+            chunks.append(self.sums(eye))
         return torch.cat(chunks).t().to(torch.int8).contiguous(), self.scales.clone()
 
 

@@ -151,9 +151,12 @@ def _run_kernels(lib) -> list[torch.Tensor]:
     x, weight = torch.randn(3, 100, generator=generator), torch.randn(100, generator=generator)
     normed = torch.empty(3, 100)
     lib.rms_norm(x.data_ptr(), weight.data_ptr(), normed.data_ptr(), 3, 100, ctypes.c_float(1e-6))
-    gate_up, act = torch.randn(3, 2 * 40, generator=generator) * 30, torch.empty(3, 40)
-    lib.silu_mul(gate_up.data_ptr(), act.data_ptr(), 3, 40)
-    return [*outputs, normed, act]
+    gate_up, act = torch.randn(20, 2 * 40, generator=generator) * 30, torch.empty(20, 40)
+    lib.silu_mul(gate_up.data_ptr(), act.data_ptr(), 20, 40, 2)  # 20 rows: split between threads
+    x = torch.randn(20, 100, generator=generator) * 5
+    q, scale = torch.empty(20, 100, dtype=torch.uint8), torch.empty(20)
+    lib.int8_quantize_rows(x.data_ptr(), 20, 100, q.data_ptr(), scale.data_ptr(), 2)
+    return [*outputs, normed, act, q, scale]
 
 
 def test_the_avx2_and_avx512_builds_compute_the_same_numbers(monkeypatch, tmp_path) -> None:

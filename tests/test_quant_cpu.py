@@ -67,7 +67,7 @@ def test_onednn_returns_the_exact_integer_products():
     values = torch.randint(-127, 128, (50, 300), dtype=torch.int8)
     kernel = OnednnInt8(values, torch.ones(50))
     q = torch.randint(-127, 128, (7, 300), dtype=torch.int8)
-    sums = kernel._sums((q.short() + 128).to(torch.uint8))
+    sums = kernel.sums((q.short() + 128).to(torch.uint8))
     assert torch.equal(sums, (q.long() @ values.long().t()).float())
 
 
