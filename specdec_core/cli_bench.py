@@ -167,7 +167,8 @@ def _run_config(
         "draft": args.draft if draft is not None else None,
         "device": target.device,
         "precision": target.precision,
-        "draft_precision": draft.precision if draft is not None else None,  # "int8/int4": 4-bit draft steps
+        # "int8/int4": 4-bit draft steps; "int4 (int8 reads)": long reads in int8 (draft_bulk)
+        "draft_precision": draft.precision if draft is not None else None,
         "int8_kernel": _int8_kernel(target.device, target.precision),
         "huge_page_bytes": granted_bytes(),  # the process's memory in 2 MB pages (huge_pages)
         "max_new_tokens": settings.max_new_tokens,

@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import statistics
 import sys
+import threading
 import time
 from typing import Any
 
@@ -35,6 +36,7 @@ from torch import nn
 from . import native
 from .int4_cpu import LANES, Int4Linear
 from .kvcache import CachedModel
+from .progress import check_cancelled
 from .quant_cpu import OnednnInt8, onednn_available, quantize_weight
 
 ENV_VAR = "SPECDEC_DRAFT_BULK"
@@ -77,8 +79,9 @@ def _int8_weight(linear: Int4Linear, channels: int = 512) -> tuple[torch.Tensor,
     return values, scales
 
 
-def speed_up_reads(model: nn.Module, repeats: int = 3) -> bool:
-    """Give a 4-bit draft's layers int8 reads if that makes a read of many tokens faster here."""
+def speed_up_reads(model: nn.Module, repeats: int = 3, cancel: threading.Event | None = None) -> bool:
+    """Give a 4-bit draft's layers int8 reads if that makes a read of many tokens faster here.
+    Raises `Cancelled` once `cancel` is set (checked between linears)."""
     if os.environ.get(ENV_VAR, "1").strip() == "0" or not onednn_available():
         return False
     layers = _layers(model)
@@ -87,10 +90,13 @@ def speed_up_reads(model: nn.Module, repeats: int = 3) -> bool:
         return False
     if psutil.virtual_memory().available - sum(m.out_features * m.in_features for m in linears) < SPARE_BYTES:
         return False
-    try:
-        paths = {linear: BulkReads(linear) for linear in linears}
-    except RuntimeError:  # a kernel this torch build lacks on this CPU
-        return False
+    paths = {}
+    for linear in linears:
+        check_cancelled(cancel)
+        try:
+            paths[linear] = BulkReads(linear)
+        except RuntimeError:  # a kernel this torch build lacks on this CPU, or no memory
+            return False
     with_int8, with_int4 = [], []
     for _ in range(repeats + 1):  # interleaved, so a burst of load hits both alike
         _attach(layers, paths)

@@ -31,7 +31,7 @@ from .errors import IncompatibleDraftError, InvalidParameter
 from .huge_pages import place_in_huge_pages
 from .int4_cpu import head_to_int4
 from .loading import LoadedModel, load_model, resolve_path
-from .progress import ProgressCallback
+from .progress import Progress, ProgressCallback
 
 MODEL = "model"
 
@@ -140,7 +140,10 @@ def load_draft(
         wrapping = template_token_ids(target.tokenizer)
         if rank_head(draft.model, [*sorted(stops), *sorted(wrapping)]) is not None:
             place_in_huge_pages([draft.model.get_output_embeddings()])
-        speed_up_reads(draft.model)  # its read of a prompt in int8, where that is faster (draft_bulk.py)
+        if progress is not None:
+            progress(Progress("Preparing the draft's int8 reads", 0, 0))
+        if speed_up_reads(draft.model, cancel=cancel):  # reads of 40 tokens or more in int8 (draft_bulk.py)
+            draft = replace(draft, precision="int4 (int8 reads)")
     return make_drafter(spec, target, draft), draft
 
 

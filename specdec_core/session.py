@@ -82,7 +82,7 @@ class SessionInfo:
     context_length: int | None = None  # positions the pair can attend over (None: unknown)
     device: str = ""  # resolved: "cpu" | "cuda"
     precision: str = ""  # resolved: "fp32" | "bf16" | "fp16" | "int8" | "int4" | "nf4"
-    draft_precision: str = ""  # the draft model's ("int8/int4": 4-bit draft steps); "" without one
+    draft_precision: str = ""  # the draft model's ("int8/int4": 4-bit steps; "int4 (int8 reads)"); "" without one
 
 
 class ChatSession:

@@ -4,6 +4,7 @@ where they are faster and the memory is there, and the answer stays the target's
 from __future__ import annotations
 
 import copy
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -15,6 +16,7 @@ from specdec_core.batch_invariant import make_batch_invariant
 from specdec_core.draft_bulk import MIN_ROWS, BulkReads, has_bulk_reads, speed_up_reads
 from specdec_core.drafters import ModelDrafter
 from specdec_core.engine import GenerationParams, SpeculativeEngine
+from specdec_core.errors import Cancelled
 from specdec_core.fused_int8 import fuse_int8_projections
 from specdec_core.int4_cpu import Int4Linear, quantize_linears_int4
 from specdec_core.kvcache import CachedModel
@@ -129,3 +131,21 @@ def test_rows_are_quantized_as_torch_would_and_scaled_back_per_row_and_column() 
         )
         expected = sums * scale[:, None] * columns
         assert torch.equal(y, expected if with_bias is None else expected + bias)
+
+
+def test_a_cancelled_load_stops_making_the_int8_copy(tokenizer, monkeypatch) -> None:
+    model = _fast_int4_draft(len(tokenizer))
+    cancel = threading.Event()
+    made: list[BulkReads] = []
+    init = BulkReads.__init__
+
+    def counted(self, linear):
+        init(self, linear)
+        made.append(self)
+        cancel.set()  # the user cancels while the first linear is converted
+
+    monkeypatch.setattr(BulkReads, "__init__", counted)
+    with pytest.raises(Cancelled):
+        speed_up_reads(model, cancel=cancel)
+    assert len(made) == 1
+    assert not has_bulk_reads(model)
