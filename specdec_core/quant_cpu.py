@@ -75,19 +75,19 @@ def kernel_name() -> str:
         # decoding ran at 0.80x fbgemm, jumping between 63 and 170 ms a step; the AVX-512
         # VNNI kernels kept steady steps. Set the variable yourself to allow AMX.
         os.environ.setdefault(ONEDNN_ISA_ENV, "AVX512_CORE_FP16")
-        if _onednn_sums_exactly():
+        if onednn_sums_exactly():
             return "onednn"
     return "fbgemm"
 
 
-def _onednn_sums_exactly() -> bool:
+def onednn_sums_exactly(row_counts: tuple[int, ...] = (1, 16)) -> bool:
     """Without VNNI, oneDNN multiplies u8 x s8 pairs into int16 and saturates: not exact.
 
-    Checked on the extreme values (255 x 127 in every pair) at 1 and 16 rows.
+    Checked on the extreme values (255 x 127 in every pair) at each of `row_counts` rows.
     """
     weight = torch.full((64, 256), 127, dtype=torch.int8)
     weight[1::2] = -127
-    for rows in (1, 16):
+    for rows in row_counts:
         q = torch.full((rows, 256), 127, dtype=torch.int8)
         q[1::2] = -127
         sums = OnednnInt8(weight, torch.ones(64)).sums((q.short() + _ZERO_POINT).to(torch.uint8))
