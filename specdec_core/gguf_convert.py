@@ -288,6 +288,7 @@ def convert_with_transformers(
             dtype=torch.float32,
             # Unpacked into plain tensors even where a GGUF kernel is installed.
             quantization_config=GgufConfig(dequantize=True),
+            use_kernels=False,  # the converted weights are saved as plain tensors; no hub kernels
         )
     except (ValueError, KeyError, OSError) as error:
         raise ModelLoadError(f"cannot convert {gguf_path.name}: {str(error).splitlines()[0]}") from None

@@ -270,6 +270,10 @@ def _load_weights(
     _check_loading_info(info, ref)
     if device == "cpu":
         prepare_for_cpu(model, precision)
+    else:
+        # cuBLAS and SDPA pick kernels by row count: without this, a verify and plain
+        # steps differ and speculation changes the text (measured on an H200, bf16).
+        make_batch_invariant(model)
     return model.eval()
 
 
@@ -351,7 +355,10 @@ def _oom_hint(device: str, precision: str) -> str:
 
 def _placement(device: str, precision: str, offload: bool) -> dict[str, Any]:
     """from_pretrained's dtype / quantization / device_map for a device and precision."""
-    kwargs: dict[str, Any] = {}
+    # transformers otherwise swaps layers (rotary, norms) for kernels fetched from the hub:
+    # a load that needs the network, and numbers that are no longer the ones the
+    # batch-invariant hooks and the self-check were built for.
+    kwargs: dict[str, Any] = {"use_kernels": False}
     gpu_map: Any = "auto" if offload else {"": 0}
     if precision in ("int8", "nf4") and (device == "cuda" or precision == "nf4"):
         kwargs["quantization_config"] = _bitsandbytes_config(precision, offload)

@@ -299,3 +299,11 @@ def test_a_reader_that_goes_away_ends_the_command_quietly(capsys, monkeypatch, t
     args = ["generate", "--target", str(tiny_folder), "--prompt", "hi", "--draft", "none", "--no-calibrate"]
     assert cli.main([*args, "--device", "cpu", "--precision", "fp32"]) == 141
     assert "error" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_loaded_model_runs_its_own_layers_not_hub_kernels(tiny_folder, precision):
+    # Kernelizing needs the network and replaces the layers the exactness hooks are made for.
+    model = loading.load_model(str(tiny_folder), device="cpu", precision=precision).model
+    assert model.use_kernels is False
+    assert loading._placement("cuda", "nf4", offload=False)["use_kernels"] is False
