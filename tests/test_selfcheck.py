@@ -36,6 +36,26 @@ def test_a_batch_dependent_forward_is_reported_with_its_logit_difference(tokeniz
 
 
 @pytest.mark.skipif(not int8_available(), reason="this torch build has no fbgemm int8 kernels")
+class _ThreeRowBias(torch.nn.Module):
+    """A linear that is off only for 3-row inputs, as a GPU library may pick its kernel by row count."""
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__()
+        self.linear = linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) + (1e-3 if x.shape[-2] == 3 else 0.0)
+
+
+def test_a_forward_off_only_at_some_row_count_is_caught(tokenizer, target):
+    model = copy.deepcopy(target)
+    model.lm_head = _ThreeRowBias(model.lm_head)
+    report = check_exactness(SpeculativeEngine(model, tokenizer))
+    assert report.label == NEAR_TIES
+    assert report.max_logit_diff == pytest.approx(1e-3, abs=2e-4)
+
+
+@pytest.mark.skipif(not int8_available(), reason="this torch build has no fbgemm int8 kernels")
 def test_the_batch_invariant_int8_forward_checks_bitwise_and_leaves_no_cache(tokenizer, target):
     model = copy.deepcopy(target)
     quantize_linears_int8(model)
