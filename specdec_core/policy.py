@@ -157,7 +157,7 @@ class SourcePolicy:
             # prices the step; the draft's early stop ends the run (`ModelDrafter.run_limit`).
             return best
         could_pay = found > 0 or perfect_draft_pays(self.costs, budget, t_draft)
-        if self.prober.plain_step(could_pay) or self._untried(best, match_n):
+        if self.prober.plain_step(could_pay, self._evidence(best, match_n)) or self._untried(best, match_n):
             return self._probe(best, options)
         self.model.age()
         for estimate in self._lookup.values():
@@ -186,6 +186,11 @@ class SourcePolicy:
         token on a prompt the model alone drafted at 0.84 per position, 12.8 tok/s against 10.0).
         """
         return Choice(0, _best_model_tokens(options), probe=True)
+
+    def _evidence(self, choice: Choice, match_n: int) -> float:
+        """The verdicts behind the source(s) a probe would try now (see `Prober`)."""
+        model = self.model.evidence(0)
+        return min(model, self.lookup(match_n).evidence(0)) if choice.lookup_tokens else model
 
     def _untried(self, choice: Choice, match_n: int) -> bool:
         return (choice.model_tokens > 0 and self.model.untried) or (

@@ -58,6 +58,24 @@ def test_plain_steps_are_interrupted_by_periodic_probes():
     assert choices[4] > 0 and choices[9] > 0
 
 
+def test_a_plain_verdict_on_few_verdicts_is_probed_again_soon():
+    # One rejection at an answer's first draft priced a good draft below a plain step;
+    # the next probe must not wait the full interval (16 plain tokens).
+    verify = {m: 0.04 * (1 + 0.05 * (m - 1)) for m in range(1, 10)}
+    thin = controller_with(verify, 0.014, [(1, 0)])
+    first = [thin.choose_k(drafter_is_model=True) for _ in range(4)]
+    assert first[0] == 0 and any(k > 0 for k in first)
+    solid = controller_with(verify, 0.014, [(1, 0)] * 30)
+    assert [solid.choose_k(drafter_is_model=True) for _ in range(8)] == [0] * 8
+
+
+def test_probes_wait_the_full_interval_where_even_a_perfect_draft_cannot_pay():
+    c = controller_with({1: 0.1, 2: 0.2, 9: 0.9}, 0.05, [(1, 0)])
+    c.probe_every = 6
+    choices = [c.choose_k(drafter_is_model=True) for _ in range(6)]
+    assert choices == [0] * 5 + [choices[5]] and choices[5] > 0
+
+
 def test_pinned_k_is_obeyed():
     c = controller_with({1: 0.1, 2: 0.2}, 0.05, [(2, 0)] * 20)
     c.pinned = 5

@@ -289,7 +289,9 @@ def test_the_next_message_starts_from_the_acceptance_learned_so_far(tokenizer, t
     )
     engine.costs = FrozenCosts(verify=dict(CPU_VERIFY), draft_token=0.02)
     prompt = tokenizer("def add(a, b):")["input_ids"]
-    list(engine.generate(prompt, GenerationParams(max_new_tokens=24)))
+    # Long enough for the failures to weigh as the most a new message carries: on fewer
+    # verdicts a probe comes sooner (`adaptive.Prober`).
+    list(engine.generate(prompt, GenerationParams(max_new_tokens=64)))
     steps = [
         e for e in engine.generate(prompt, GenerationParams(max_new_tokens=8)) if isinstance(e, StepEvent)
     ]
