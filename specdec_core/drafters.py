@@ -492,7 +492,7 @@ class LookupThenModelDrafter:
     ) -> Draft:
         start = time.perf_counter()
         found, n = self.lookup_drafter.match(tokens, budget)
-        choice = self.policy.choose(budget, n, len(found), self.model.seconds_per_token())
+        choice = self.policy.choose(budget, n, len(found), self.model.seconds_per_token(), sampling.greedy)
         self._step = _Step(choice, n, found)
         copied = found[: choice.lookup_tokens]
         if not choice.model_tokens:

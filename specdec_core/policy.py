@@ -26,7 +26,9 @@ with whichever pays more.
 Under greedy decoding the lookup is scored for free at every step it was not used:
 its tokens are compared with the tokens the target committed, which is exactly the
 verdict it would have had. Its estimate therefore stays current even while the model
-drafts or speculation is off.
+drafts or speculation is off, and a probe (a draft tried although a plain step looked
+better, to re-measure) drafts with the model alone: only the model needs drafting to be
+measured.
 """
 
 from __future__ import annotations
@@ -130,13 +132,14 @@ class SourcePolicy:
             )
         return out
 
-    def choose(self, budget: int, match_n: int, found: int, t_draft: float) -> Choice:
-        """The step's draft: `found` tokens are available from a match of `match_n` tokens."""
-        choice = self._choose(budget, match_n, found, t_draft)
+    def choose(self, budget: int, match_n: int, found: int, t_draft: float, greedy: bool = False) -> Choice:
+        """The step's draft: `found` tokens are available from a match of `match_n` tokens.
+        `greedy`: the lookup is scored without drafting (`observe_unused_lookup`)."""
+        choice = self._choose(budget, match_n, found, t_draft, greedy)
         self._model_idle = 0 if choice.model_tokens else self._model_idle + 1
         return choice
 
-    def _choose(self, budget: int, match_n: int, found: int, t_draft: float) -> Choice:
+    def _choose(self, budget: int, match_n: int, found: int, t_draft: float, greedy: bool) -> Choice:
         budget = min(budget, self.max_k)
         if budget <= 0:
             return PLAIN
@@ -156,7 +159,9 @@ class SourcePolicy:
             # Copies: the match decides how far they go. Model tokens: the planned length only
             # prices the step; the draft's early stop ends the run (`ModelDrafter.run_limit`).
             return best
-        could_pay = found > 0 or perfect_draft_pays(self.costs, budget, t_draft)
+        if greedy:  # copies are scored anyway: probe the model, on the model's evidence
+            best = Choice(0, _best_model_tokens(options))
+        could_pay = (found > 0 and not greedy) or perfect_draft_pays(self.costs, budget, t_draft)
         if self.prober.plain_step(could_pay, self._evidence(best, match_n)) or self._untried(best, match_n):
             return self._probe(best, options)
         self.model.age()

@@ -438,7 +438,8 @@ def test_copies_resumed_after_model_tokens_never_change_greedy_output(tokenizer,
 
 
 def test_probes_also_remeasure_a_model_draft_that_looks_worse_than_failing_copies():
-    # Both sources look unprofitable, the copies slightly less so: every other probe must
+    # Sampling, so copies are scored only when drafted. Both sources look unprofitable,
+    # the copies slightly less so: every other probe must
     # still try the model, or a model that drafts this answer well is never found out.
     steep = {m: 0.10 * (1 + 0.3 * (m - 1)) for m in range(1, 10)}  # a copy must be right 30% of the time
     policy = policy_with(model_runs=[(4, 0)] * 30, lookup_runs=[(4, 0)] * 27 + [(4, 1)] * 3, verify=steep)
@@ -447,6 +448,21 @@ def test_probes_also_remeasure_a_model_draft_that_looks_worse_than_failing_copie
     assert len(probes) == 4
     assert any(p.lookup_tokens > 0 for p in probes)
     assert any(p.lookup_tokens == 0 and p.model_tokens > 0 for p in probes)
+
+
+def test_greedy_probes_draft_the_model_alone_since_copies_are_scored_without_drafting():
+    # The same two unprofitable sources under greedy decoding: a probe that drafts copies
+    # learns nothing `observe_unused_lookup` would not, so every probe tries the model
+    # (traced: probes alternating with failing copies kept a question's answer plain for
+    # 21 steps where the model alone drafted again after 10).
+    steep = {m: 0.10 * (1 + 0.3 * (m - 1)) for m in range(1, 10)}
+    policy = policy_with(model_runs=[(4, 0)] * 30, lookup_runs=[(4, 0)] * 27 + [(4, 1)] * 3, verify=steep)
+    policy.prober.every = 2
+    choices = [policy.choose(budget=8, match_n=3, found=4, t_draft=0.05, greedy=True) for _ in range(8)]
+    probes = [c for c in choices if c.probe]
+    assert len(probes) == 4
+    assert all(p.lookup_tokens == 0 and p.model_tokens > 0 for p in probes)
+    assert all(c == PLAIN for c in choices if not c.probe)
 
 
 def test_copies_drafted_now_and_then_do_not_keep_the_model_from_being_tried_again():
