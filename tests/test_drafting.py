@@ -437,13 +437,18 @@ def test_copies_resumed_after_model_tokens_never_change_greedy_output(tokenizer,
     assert DraftSource.MODEL_LOOKUP in spy.sources
 
 
-def test_probes_also_remeasure_a_model_draft_that_looks_worse_than_failing_copies():
-    # Sampling, so copies are scored only when drafted. Both sources look unprofitable,
-    # the copies slightly less so: every other probe must
-    # still try the model, or a model that drafts this answer well is never found out.
+def failing_sources_probed_every_other_step() -> SourcePolicy:
+    """Both sources look unprofitable, the copies slightly less so; a probe every 2nd plain step."""
     steep = {m: 0.10 * (1 + 0.3 * (m - 1)) for m in range(1, 10)}  # a copy must be right 30% of the time
     policy = policy_with(model_runs=[(4, 0)] * 30, lookup_runs=[(4, 0)] * 27 + [(4, 1)] * 3, verify=steep)
     policy.prober.every = 2
+    return policy
+
+
+def test_probes_also_remeasure_a_model_draft_that_looks_worse_than_failing_copies():
+    # Sampling, so copies are scored only when drafted: every other probe must still try
+    # the model, or a model that drafts this answer well is never found out.
+    policy = failing_sources_probed_every_other_step()
     probes = [c for c in (policy.choose(budget=8, match_n=3, found=4, t_draft=0.05) for _ in range(8)) if c.probe]
     assert len(probes) == 4
     assert any(p.lookup_tokens > 0 for p in probes)
@@ -451,13 +456,11 @@ def test_probes_also_remeasure_a_model_draft_that_looks_worse_than_failing_copie
 
 
 def test_greedy_probes_draft_the_model_alone_since_copies_are_scored_without_drafting():
-    # The same two unprofitable sources under greedy decoding: a probe that drafts copies
-    # learns nothing `observe_unused_lookup` would not, so every probe tries the model
-    # (traced: probes alternating with failing copies kept a question's answer plain for
-    # 21 steps where the model alone drafted again after 10).
-    steep = {m: 0.10 * (1 + 0.3 * (m - 1)) for m in range(1, 10)}
-    policy = policy_with(model_runs=[(4, 0)] * 30, lookup_runs=[(4, 0)] * 27 + [(4, 1)] * 3, verify=steep)
-    policy.prober.every = 2
+    # Under greedy decoding a probe that drafts copies learns nothing `observe_unused_lookup`
+    # would not, so every probe tries the model (traced: probes alternating with failing
+    # copies kept a question's answer plain for 21 steps where the model alone drafted
+    # again after 10).
+    policy = failing_sources_probed_every_other_step()
     choices = [policy.choose(budget=8, match_n=3, found=4, t_draft=0.05, greedy=True) for _ in range(8)]
     probes = [c for c in choices if c.probe]
     assert len(probes) == 4
