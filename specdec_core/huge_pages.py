@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from . import native
 from .int4_cpu import Int4Linear
 
 HUGE_PAGE = 2 << 20
@@ -50,6 +51,7 @@ def place_in_huge_pages(modules: Iterable[nn.Module]) -> int:
         packed = linear.packed
         placed = arena[offset : offset + packed.numel()].view(packed.shape)
         placed.copy_(packed)
+        native.settle_helper()  # the kernel's helper may still read the old buffer (helper_cpu.c)
         linear.packed = placed  # the old buffer is freed here: one module's copy at a time
         offset += size
     return offset

@@ -21,6 +21,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include <string.h>
+
+#include "helper_cpu.h"
 #include "simd16.h"
 
 #define GROUP 32
@@ -269,39 +272,155 @@ BLOCK_ROWS(6)
 #undef BLOCK_ROWS
 #undef CAP
 
-/* y [rows, n_out] = x [rows, k] times the packed weights of `bits` (4 or 6), plus bias [n_out]
- * unless it is NULL (one float add, as `y += bias` would); 0, or -1 when out of memory (or
- * `bits` is neither). */
-int int4_linear(const uint8_t *w, int64_t n_out, int64_t k, const float *x, int64_t rows,
-                const float *bias, float *y, int threads, int bits) {
-    if (bits != 4 && bits != 6) return -1;
-    int64_t groups = k / GROUP, blocks = (n_out + LANES - 1) / LANES;
-    int8_t *q = malloc((size_t)(rows * k));
-    float *scale = malloc(sizeof(float) * (size_t)(rows * groups));
-    float *scaled_sum = malloc(sizeof(float) * (size_t)(rows * groups));
-    if (!q || !scale || !scaled_sum) {
-        free(q), free(scale), free(scaled_sum);
-        return -1;
+/* Blocks [first, last) of y [rows, n_out] from the rows' quantized activations: every row
+ * tile reads a block's weights while they are in cache. */
+static void compute_blocks(const uint8_t *w, int bits, int64_t k, const int8_t *q, const float *scale,
+                           const float *scaled_sum, int64_t rows, const float *bias, float *y, int64_t n_out,
+                           int64_t first, int64_t last) {
+    int64_t groups = k / GROUP;
+    for (int64_t b = first; b < last; b++) {
+        const uint8_t *wb = w + b * groups * BLOCK_BYTES(bits);
+        for (int64_t r0 = 0; r0 < rows; r0 += TILE) {
+            int tile_rows = rows - r0 < TILE ? (int)(rows - r0) : TILE;
+            if (bits == 6)
+                block_rows_6(wb, groups, q + r0 * k, scale + r0 * groups, scaled_sum + r0 * groups, k, tile_rows,
+                             bias, y + r0 * n_out, n_out, b * LANES);
+            else
+                block_rows_4(wb, groups, q + r0 * k, scale + r0 * groups, scaled_sum + r0 * groups, k, tile_rows,
+                             bias, y + r0 * n_out, n_out, b * LANES);
+        }
     }
+}
+
+/* The same op on `threads` OpenMP threads, its activations quantized into q, scale, scaled_sum. */
+static void linear_openmp(const uint8_t *w, int bits, int64_t n_out, int64_t k, const float *x, int64_t rows,
+                          const float *bias, float *y, int threads, int8_t *q, float *scale, float *scaled_sum) {
+    int64_t groups = k / GROUP, blocks = (n_out + LANES - 1) / LANES;
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++)
             quantize_row(x + r * k, k, q + r * k, scale + r * groups, scaled_sum + r * groups);
 #pragma omp for schedule(static)
-        for (int64_t b = 0; b < blocks; b++) {
-            for (int64_t r0 = 0; r0 < rows; r0 += TILE) {
-                int tile_rows = rows - r0 < TILE ? (int)(rows - r0) : TILE;
-                const uint8_t *wb = w + b * groups * BLOCK_BYTES(bits);
-                if (bits == 6)
-                    block_rows_6(wb, groups, q + r0 * k, scale + r0 * groups, scaled_sum + r0 * groups, k,
-                                 tile_rows, bias, y + r0 * n_out, n_out, b * LANES);
-                else
-                    block_rows_4(wb, groups, q + r0 * k, scale + r0 * groups, scaled_sum + r0 * groups, k,
-                                 tile_rows, bias, y + r0 * n_out, n_out, b * LANES);
-            }
-        }
+        for (int64_t b = 0; b < blocks; b++)
+            compute_blocks(w, bits, k, q, scale, scaled_sum, rows, bias, y, n_out, b, b + 1);
     }
+}
+
+/* Rows per shared op: the helper's staging holds this many rows of outputs (a prompt's
+ * many rows go in pieces, each reading the weights again, which its dot products outweigh). */
+#define SHARE_ROWS 64
+enum { ARG_W, ARG_BIAS, ARG_Y, ARG_STAGING, ARG_Q, ARG_SCALE, ARG_SUM, ARG_N_OUT, ARG_K, ARG_ROWS, ARG_BITS,
+       ARG_BLOCKS, ARG_CHUNK_BLOCKS, ARG_COUNT };
+_Static_assert(ARG_COUNT <= HELPER_WORDS, "a linear's arguments fit the helper's words");
+#define ARG(type, args, name) ((type)(uintptr_t)(args)[ARG_##name])
+
+/* A linear on one thread, shared with the helper (helper_cpu.c) in chunks of blocks of output
+ * channels. Its quantized activations and the helper's staging [rows, n_out] are kept here
+ * across calls, as the helper may still read them after an op. */
+static struct {
+    int8_t *q;
+    float *scale, *scaled_sum, *staging;
+    size_t q_bytes, groups, staging_floats;
+} shared;
+
+/* Buffers for `rows` of k inputs and n_out outputs; 0, or -1 when out of memory. */
+static int reserve_shared(int64_t rows, int64_t k, int64_t n_out) {
+    size_t q_bytes = (size_t)(rows * k), groups = (size_t)(rows * (k / GROUP)), staging = (size_t)(rows * n_out);
+    if (q_bytes <= shared.q_bytes && groups <= shared.groups && staging <= shared.staging_floats) return 0;
+    helper_settle();  /* it may be reading the old ones */
+    free(shared.q), free(shared.scale), free(shared.scaled_sum), free(shared.staging);
+    shared.q_bytes = q_bytes > shared.q_bytes ? q_bytes : shared.q_bytes;
+    shared.groups = groups > shared.groups ? groups : shared.groups;
+    shared.staging_floats = staging > shared.staging_floats ? staging : shared.staging_floats;
+    shared.q = malloc(shared.q_bytes);
+    shared.scale = malloc(sizeof(float) * shared.groups);
+    shared.scaled_sum = malloc(sizeof(float) * shared.groups);
+    shared.staging = malloc(sizeof(float) * shared.staging_floats);
+    if (shared.q && shared.scale && shared.scaled_sum && shared.staging) return 0;
+    free(shared.q), free(shared.scale), free(shared.scaled_sum), free(shared.staging);
+    shared = (typeof(shared)){0};
+    return -1;
+}
+
+static void chunk_blocks(const uint64_t *args, int64_t chunk, int64_t *first, int64_t *last) {
+    int64_t size = ARG(int64_t, args, CHUNK_BLOCKS), blocks = ARG(int64_t, args, BLOCKS);
+    *first = chunk * size;
+    *last = *first + size < blocks ? *first + size : blocks;
+}
+
+static void run_chunk(const uint64_t *args, int64_t chunk, int staged) {
+    int64_t first, last;
+    chunk_blocks(args, chunk, &first, &last);
+    compute_blocks(ARG(const uint8_t *, args, W), ARG(int, args, BITS), ARG(int64_t, args, K),
+                   ARG(const int8_t *, args, Q), ARG(const float *, args, SCALE), ARG(const float *, args, SUM),
+                   ARG(int64_t, args, ROWS), ARG(const float *, args, BIAS),
+                   staged ? ARG(float *, args, STAGING) : ARG(float *, args, Y), ARG(int64_t, args, N_OUT),
+                   first, last);
+}
+
+static void merge_chunk(const uint64_t *args, int64_t chunk) {
+    int64_t first, last, n_out = ARG(int64_t, args, N_OUT);
+    chunk_blocks(args, chunk, &first, &last);
+    int64_t start = first * LANES, end = last * LANES < n_out ? last * LANES : n_out;
+    const float *staging = ARG(const float *, args, STAGING);
+    float *y = ARG(float *, args, Y);
+    for (int64_t r = 0; r < ARG(int64_t, args, ROWS); r++)
+        memcpy(y + r * n_out + start, staging + r * n_out + start, sizeof(float) * (size_t)(end - start));
+}
+
+static const helper_work linear_work = {run_chunk, merge_chunk};
+
+/* 0 when done (shared), 1 when the helper is not to be had, -1 when out of memory. */
+static int share_linear(const uint8_t *w, int bits, int64_t n_out, int64_t k, const float *x, int64_t rows,
+                        const float *bias, float *y) {
+    if (!helper_begin()) return 1;
+    if (reserve_shared(rows, k, n_out)) {
+        helper_end();
+        return -1;
+    }
+    int64_t groups = k / GROUP, blocks = (n_out + LANES - 1) / LANES;
+    for (int64_t r = 0; r < rows; r++)
+        quantize_row(x + r * k, k, shared.q + r * k, shared.scale + r * groups, shared.scaled_sum + r * groups);
+    int64_t chunks = blocks < HELPER_CHUNKS ? blocks : HELPER_CHUNKS;
+    int64_t size = (blocks + chunks - 1) / chunks;
+    uint64_t args[HELPER_WORDS] = {
+        [ARG_W] = (uintptr_t)w, [ARG_BIAS] = (uintptr_t)bias, [ARG_Y] = (uintptr_t)y,
+        [ARG_STAGING] = (uintptr_t)shared.staging, [ARG_Q] = (uintptr_t)shared.q,
+        [ARG_SCALE] = (uintptr_t)shared.scale, [ARG_SUM] = (uintptr_t)shared.scaled_sum,
+        [ARG_N_OUT] = (uint64_t)n_out, [ARG_K] = (uint64_t)k, [ARG_ROWS] = (uint64_t)rows, [ARG_BITS] = (uint64_t)bits,
+        [ARG_BLOCKS] = (uint64_t)blocks, [ARG_CHUNK_BLOCKS] = (uint64_t)size,
+    };
+    helper_share(&linear_work, args, (blocks + size - 1) / size);
+    helper_end();
+    return 0;
+}
+
+/* y [rows, n_out] = x [rows, k] times the packed weights of `bits` (4 or 6), plus bias [n_out]
+ * unless it is NULL (one float add, as `y += bias` would); 0, or -1 when out of memory (or
+ * `bits` is neither). On one thread, shared with the helper when it is on: the weights and
+ * bias may then be freed only after helper_settle (int4_cpu.py settles as a linear is freed). */
+int int4_linear(const uint8_t *w, int64_t n_out, int64_t k, const float *x, int64_t rows, const float *bias,
+                float *y, int threads, int bits) {
+    if (bits != 4 && bits != 6) return -1;
+    int64_t done = 0;
+    while (threads == 1 && done < rows) {
+        int64_t piece = rows - done < SHARE_ROWS ? rows - done : SHARE_ROWS;
+        int status = share_linear(w, bits, n_out, k, x + done * k, piece, bias, y + done * n_out);
+        if (status == 1) break; /* no helper to be had: the rest alone */
+        if (status) return -1;
+        done += piece;
+    }
+    if (done == rows) return 0;
+    int64_t left = rows - done, groups = k / GROUP;
+    int8_t *q = malloc((size_t)(left * k));
+    float *scale = malloc(sizeof(float) * (size_t)(left * groups));
+    float *scaled_sum = malloc(sizeof(float) * (size_t)(left * groups));
+    if (!q || !scale || !scaled_sum) {
+        free(q), free(scale), free(scaled_sum);
+        return -1;
+    }
+    linear_openmp(w, bits, n_out, k, x + done * k, left, bias, y + done * n_out, threads, q, scale, scaled_sum);
     free(q), free(scale), free(scaled_sum);
     return 0;
 }

@@ -27,12 +27,14 @@ int8 head's (docs/engine.md). A draft's head takes 4 bits (`head_to_int4`).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
+from . import native
 from .native import library
 from .quant_cpu import PerTokenInt8Linear
 
@@ -157,6 +159,12 @@ class ManyRowPath(Protocol):
     def matmul(self, rows: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
 
 
+def _settle_when_freed(linear: nn.Module) -> None:
+    """The kernel's helper thread may still be reading an op's weights when the op has
+    returned (helper_cpu.c): a linear waits for it before its tensors can be freed."""
+    weakref.finalize(linear, native.settle_helper)
+
+
 class Int4Linear(nn.Module):
     """A linear with 4-bit (or 6-bit) weights, run by `int4_cpu.c`; fp32 in, fp32 out."""
 
@@ -173,6 +181,15 @@ class Int4Linear(nn.Module):
             None if bias is None else nn.Parameter(bias.detach().float().contiguous(), requires_grad=False)
         )
         library()  # refuse here, in one line, if the kernel cannot run
+        _settle_when_freed(self)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:  # a copy (deepcopy, pickle) is freed the same way
+        super().__setstate__(state)
+        _settle_when_freed(self)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Int4Linear:
+        native.settle_helper()  # `.to()` and the like may swap (and free) the tensors the helper reads
+        return super()._apply(fn, recurse)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, bits: int = 4) -> Int4Linear:

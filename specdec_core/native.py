@@ -33,10 +33,10 @@ from pathlib import Path
 
 from .cache import kernels_dir
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("int4_cpu.c", "attention_cpu.c", "layers_cpu.c"))
-HEADERS = tuple(Path(__file__).with_name(name) for name in ("simd16.h", "simd_math.h"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("int4_cpu.c", "helper_cpu.c", "attention_cpu.c", "layers_cpu.c"))
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("helper_cpu.h", "simd16.h", "simd_math.h"))
 # -ffp-contract=off: a multiply then an add round twice, as torch's separate ops do.
-COMMON_FLAGS = ("-O3", "-mf16c", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
+COMMON_FLAGS = ("-O3", "-mf16c", "-mfma", "-ffp-contract=off", "-fopenmp", "-pthread", "-shared", "-fPIC")
 # The instruction sets, best first: the CPU flags each needs (as /proc/cpuinfo names
 # them) and the compiler flags that select it.
 ISAS = (
@@ -49,6 +49,37 @@ _INT4_ADVICE = "use --precision int8"
 
 class KernelUnavailable(RuntimeError):
     """The C kernels cannot run here; the message says why in one line."""
+
+
+_share_spare_core = False  # what the library is told when it loads (share_spare_core)
+
+
+def share_spare_core(on: bool) -> None:
+    """Let ops on one thread share their work with a helper thread (helper_cpu.c): the thread
+    governor turns it on when it runs one thread beside another process's load, to use the
+    time the scheduler leaves on the other core. Cheap; the library is not built for it."""
+    global _share_spare_core
+    _share_spare_core = on
+    if _load.cache_info().currsize:  # loaded (or found unavailable) already
+        loaded = _load()
+        if not isinstance(loaded, KernelUnavailable):
+            loaded.helper_enable(int(on))
+
+
+def settle_helper() -> None:
+    """Wait until the helper holds no chunk of an op: after this, what earlier ops read (a
+    linear's weights) may be freed. Nothing to do before the library is loaded."""
+    if _load.cache_info().currsize:
+        loaded = _load()
+        if not isinstance(loaded, KernelUnavailable):
+            loaded.helper_settle()
+
+
+def helper_counts() -> tuple[int, int]:
+    """The helper's chunks so far: (merged from its staging, computed again by the caller)."""
+    counts = (ctypes.c_uint64 * 2)()
+    library().helper_counts(ctypes.byref(counts))
+    return counts[0], counts[1]
 
 
 def unavailable() -> str | None:
@@ -80,6 +111,13 @@ def _load() -> ctypes.CDLL | KernelUnavailable:
     pointer, size, c_int, c_float = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     lib.int4_linear.argtypes = [pointer, size, size, pointer, size, pointer, pointer, c_int, c_int]
     lib.int4_linear.restype = c_int
+    lib.helper_enable.argtypes = [c_int]
+    lib.helper_enable.restype = None
+    lib.helper_enable(int(_share_spare_core))
+    lib.helper_settle.argtypes = []
+    lib.helper_settle.restype = None
+    lib.helper_counts.argtypes = [ctypes.POINTER(ctypes.c_uint64 * 2)]
+    lib.helper_counts.restype = None
     lib.int4_pack.argtypes = [pointer, size, size, c_int, pointer, c_int]
     lib.int4_pack.restype = c_int
     lib.int4_unpack.argtypes = [pointer, size, size, c_int, pointer, c_int]

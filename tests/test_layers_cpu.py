@@ -131,6 +131,28 @@ def test_a_model_in_one_call_computes_bitwise_what_its_own_forward_computes(toke
     assert all(out is None for out in used) if windowed else all(out is not None for out in used)
 
 
+def test_a_model_in_one_call_at_one_thread_is_bitwise_the_same_with_the_helper(tokenizer):
+    """Beside a busy process the governor runs one thread and shares its linears with a
+    helper thread (threads.py): prefill, verifies and a step give the same logits either way."""
+    model = loaded(arch_model("qwen2", len(tokenizer)), "int4")
+    speed_up_layers(model)
+    ids = _ids(tokenizer, 120)[0].tolist()
+    bounds = [0, 100, 105, 106, 114, 120]
+    threads = torch.get_num_threads()
+    runs = []
+    try:
+        torch.set_num_threads(1)
+        for sharing in (False, True, False, True):
+            native.share_spare_core(sharing)
+            runner = CachedModel(model)
+            assert runner.stack is not None
+            runs.append(torch.cat([runner.forward(ids[s:e], logits_to_keep=e - s) for s, e in itertools.pairwise(bounds)]))
+    finally:
+        native.share_spare_core(False)
+        torch.set_num_threads(threads)
+    assert all(torch.equal(run, runs[0]) for run in runs[1:])
+
+
 def test_only_4_bit_layers_write_the_cache_in_place(tokenizer):
     four_bit = loaded(arch_model("qwen2", len(tokenizer)), "int4")
     speed_up_layers(four_bit)
