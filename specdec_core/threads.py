@@ -15,6 +15,15 @@ It drops threads at once when one of ours would share a core with more than half
 core of someone else's work, and adds one back only after two checks in a row with
 a free core (hysteresis: a brief lull does not bring the collapse back).
 
+At one thread, the core it leaves still has spare time: the scheduler gives another
+process's busy thread half of a shared core, not all of it. So while the governor runs
+fewer threads than it would on a quiet machine, the C kernels' linears share their work
+with a helper thread that never makes the caller wait (helper_cpu.c; measured beside a
+busy process, the 1.5B's 5-token verify took 76-82 ms with it against 95-107 ms without,
+and ours-auto answered 1.16-1.20x faster, docs/performance.md). The helper's time comes
+out of the neighbour's (measured: 1.00 core busy without it, ~0.7 with it), which is
+still far more load than the 0.25 of a core under which a second thread comes back.
+
 A thread count changed in the middle of an answer must not change its numbers. Our
 int8 rows come out bitwise the same at 1 and 2 threads (tests/test_threads.py), but an
 fp32 matmul does not (measured ~4e-5 on a tiny model), so the process's governor
@@ -40,6 +49,7 @@ from typing import Protocol
 import psutil
 import torch
 
+from . import native
 from .errors import SpecdecError
 
 ENV_VAR = "SPECDEC_THREADS"
@@ -113,6 +123,7 @@ class ThreadGovernor:
         self._threads = self.max_threads
         self._next_check: float | None = None
         self._free_streak = 0
+        self._sharing: bool | None = None  # what native.share_spare_core was last told
         self.last: ThreadDecision | None = None
 
     @property
@@ -143,6 +154,14 @@ class ThreadGovernor:
                 return
         if torch.get_num_threads() != self.threads:
             torch.set_num_threads(self.threads)
+        if self._sharing != self.shares_spare_core:
+            self._sharing = self.shares_spare_core
+            native.share_spare_core(self._sharing)
+
+    @property
+    def shares_spare_core(self) -> bool:
+        """Whether one-thread ops share with a helper: when load, not the user, took threads away."""
+        return self.pinned is None and self.threads < self.max_threads
 
     def restart_window(self) -> None:
         """Measure the next check's load from now on.

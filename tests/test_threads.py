@@ -14,7 +14,7 @@ import torch
 from tiny import tiny_model
 from transformers import DynamicCache
 
-from specdec_core import openmp
+from specdec_core import openmp, threads
 from specdec_core.batch_invariant import make_batch_invariant
 from specdec_core.engine import GenerationParams, SpeculativeEngine
 from specdec_core.errors import SpecdecError
@@ -119,6 +119,21 @@ def test_a_pinned_count_is_applied_and_never_measured(restore_threads: None) -> 
     assert torch.get_num_threads() == 1 and load.calls == 0
     with pytest.raises(SpecdecError):
         g.pin(0)
+
+
+def test_the_helper_shares_while_load_not_the_user_took_threads_away(restore_threads, monkeypatch) -> None:
+    told: list[bool] = []
+    monkeypatch.setattr(threads.native, "share_spare_core", told.append)
+    clock = Clock()
+    g = ThreadGovernor(max_threads=2, cores=2, probe=ScriptedLoad([1.0, 0.0, 0.0]), clock=clock, interval_s=1.0)
+    g.maybe_adjust()
+    for now in (0.3, 1.4, 2.5):  # busy: one thread and the helper; then quiet twice: two threads again
+        clock.now = now
+        g.maybe_adjust()
+    assert told == [False, True, False]
+    pinned = ThreadGovernor(max_threads=2, cores=2, pinned=1, probe=ScriptedLoad([]))
+    pinned.maybe_adjust()
+    assert told[-1] is False and not pinned.shares_spare_core  # SPECDEC_THREADS=1 means one core
 
 
 def test_threads_setting_parses_auto_and_counts() -> None:
