@@ -11,8 +11,8 @@ How: about once a second (the engine calls `maybe_adjust()` once per step and be
 each chunk of a long prompt; most calls only read a clock) the governor reads how busy
 every core was since the last check and subtracts this process's own use: what is left
 is the load of other processes.
-It drops threads at once when one of ours would share a core with more than half a
-core of someone else's work, and adds one back only after two checks in a row with
+It drops threads at once when one of ours would share a core with more than 0.15 of
+a core of someone else's work, and adds one back only after two checks in a row with
 a free core (hysteresis: a brief lull does not bring the collapse back).
 
 At one thread, the core it leaves still has spare time: the scheduler gives another
@@ -22,7 +22,7 @@ with a helper thread that never makes the caller wait (helper_cpu.c; measured be
 busy process, the 1.5B's 5-token verify took 76-82 ms with it against 95-107 ms without,
 and ours-auto answered 1.16-1.20x faster, docs/performance.md). The helper's time comes
 out of the neighbour's (measured: 1.00 core busy without it, ~0.7 with it), which is
-still far more load than the 0.25 of a core under which a second thread comes back.
+still far more load than the 0.08 of a core under which a second thread comes back.
 
 A thread count changed in the middle of an answer must not change its numbers. Our
 int8 rows come out bitwise the same at 1 and 2 threads (tests/test_threads.py), but an
@@ -55,8 +55,13 @@ from .errors import SpecdecError
 ENV_VAR = "SPECDEC_THREADS"
 CHECK_INTERVAL_S = 1.0
 FIRST_CHECK_S = 0.25  # the first decision comes early: a stalled first second is most of a short answer
-DOWN_MARGIN = 0.5  # drop a thread when it would share a core with > this much foreign work
-UP_MARGIN = 0.25  # add one when a whole core but this much is free ...
+# Drop a thread when it would share a core with more than this much foreign work. Low,
+# because one thread with the helper costs little when it was not needed (quiet, forced:
+# ours-auto 0.97x of two threads) and two threads beside even a light neighbour stall at
+# every barrier (a loop busy 3 ms in 10, which the probe reads as ~0.25: ours-auto 1.33x
+# faster on one thread with the helper, 16 of 16 prompts; docs/performance.md).
+DOWN_MARGIN = 0.15
+UP_MARGIN = 0.08  # add one when a whole core but this much is free ...
 UP_CHECKS = 2  # ... on this many checks in a row
 
 

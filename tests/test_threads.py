@@ -60,16 +60,24 @@ def test_a_busy_core_drops_to_one_thread_at_once() -> None:
     g = governor()
     assert g.decide(0.05).threads == 2  # quiet: keep both cores
     assert g.decide(1.0).threads == 1  # `while True: pass` on one core
-    assert g.decide(0.6).threads == 1  # more than half a core of foreign work: stay down
+    assert g.decide(0.6).threads == 1  # still busy: stay down
+
+
+def test_a_light_neighbour_drops_to_one_thread_too() -> None:
+    """A loop busy 3 ms in 10 reads ~0.25: two threads would wait for it at every barrier."""
+    g = governor()
+    assert g.decide(0.25).threads == 1
+    assert g.decide(0.25).threads == 1  # and stays down while it runs
+    assert g.decide(0.25).threads == 1
 
 
 def test_threads_come_back_only_after_two_quiet_checks() -> None:
     g = governor()
     g.decide(1.0)
-    assert g.decide(0.1).threads == 1  # one lull is not enough
+    assert g.decide(0.05).threads == 1  # one lull is not enough
     assert g.decide(0.9).threads == 1
-    assert g.decide(0.1).threads == 1
-    assert g.decide(0.1).threads == 2
+    assert g.decide(0.05).threads == 1
+    assert g.decide(0.05).threads == 2
 
 
 def test_never_below_one_or_above_the_maximum() -> None:
