@@ -60,19 +60,25 @@ def share_spare_core(on: bool) -> None:
     time the scheduler leaves on the other core. Cheap; the library is not built for it."""
     global _share_spare_core
     _share_spare_core = on
-    if _load.cache_info().currsize:  # loaded (or found unavailable) already
-        loaded = _load()
-        if not isinstance(loaded, KernelUnavailable):
-            loaded.helper_enable(int(on))
+    loaded = _loaded()
+    if loaded is not None:
+        loaded.helper_enable(int(on))
 
 
 def settle_helper() -> None:
     """Wait until the helper holds no chunk of an op: after this, what earlier ops read (a
     linear's weights) may be freed. Nothing to do before the library is loaded."""
-    if _load.cache_info().currsize:
-        loaded = _load()
-        if not isinstance(loaded, KernelUnavailable):
-            loaded.helper_settle()
+    loaded = _loaded()
+    if loaded is not None:
+        loaded.helper_settle()
+
+
+def _loaded() -> ctypes.CDLL | None:
+    """The library if it is loaded already, without building or loading it."""
+    if not _load.cache_info().currsize:
+        return None
+    loaded = _load()
+    return None if isinstance(loaded, KernelUnavailable) else loaded
 
 
 def helper_counts() -> tuple[int, int]:

@@ -14,7 +14,7 @@ import torch
 from tiny import tiny_model
 from transformers import DynamicCache
 
-from specdec_core import openmp, threads
+from specdec_core import native, openmp, threads
 from specdec_core.batch_invariant import make_batch_invariant
 from specdec_core.engine import GenerationParams, SpeculativeEngine
 from specdec_core.errors import SpecdecError
@@ -50,6 +50,7 @@ def restore_threads() -> Iterator[None]:
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)
+    native.share_spare_core(False)  # a governor left at one thread has turned the helper on
 
 
 def governor(values: list[float] | None = None, **kwargs: object) -> ThreadGovernor:
