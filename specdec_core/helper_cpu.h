@@ -1,16 +1,18 @@
-/* A second thread that shares ops run on one thread (helper_cpu.c). */
+/* Helper threads that share ops run on one thread (helper_cpu.c). */
 #ifndef SPECDEC_HELPER_CPU_H
 #define SPECDEC_HELPER_CPU_H
 #include <stdint.h>
 
 #define HELPER_WORDS 15    /* an op's arguments, as 64-bit words */
 #define HELPER_CHUNKS 64   /* the most chunks an op is cut into */
+#define HELPER_THREADS 4   /* the most helpers; each stages its chunks in its own buffer */
 
-/* What an op's chunks do: `run` computes chunk c into its place (staged = 0, the caller) or
- * into the helper's staging buffer (staged = 1); `merge` copies a staged chunk into place. */
+/* What an op's chunks do: `run` computes chunk c into its place (helper = -1, the caller) or
+ * into that helper's own staging buffer (0 .. HELPER_THREADS - 1); `merge` copies a chunk
+ * staged by `helper` into place. */
 typedef struct {
-    void (*run)(const uint64_t *args, int64_t chunk, int staged);
-    void (*merge)(const uint64_t *args, int64_t chunk);
+    void (*run)(const uint64_t *args, int64_t chunk, int helper);
+    void (*merge)(const uint64_t *args, int64_t chunk, int helper);
 } helper_work;
 
 int helper_begin(void);
@@ -19,4 +21,5 @@ void helper_end(void);
 void helper_settle(void);
 void helper_enable(int on);
 void helper_counts(uint64_t counts[2]);
+void helper_lag(int every);
 #endif

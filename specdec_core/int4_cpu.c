@@ -310,14 +310,14 @@ static void linear_openmp(const uint8_t *w, int bits, int64_t n_out, int64_t k, 
 /* Rows per shared op: the helper's staging holds this many rows of outputs (a prompt's
  * many rows go in pieces, each reading the weights again, which its dot products outweigh). */
 #define SHARE_ROWS 64
-enum { ARG_W, ARG_BIAS, ARG_Y, ARG_STAGING, ARG_Q, ARG_SCALE, ARG_SUM, ARG_N_OUT, ARG_K, ARG_ROWS, ARG_BITS,
-       ARG_BLOCKS, ARG_CHUNK_BLOCKS, ARG_COUNT };
+enum { ARG_W, ARG_BIAS, ARG_Y, ARG_STAGING, ARG_STAGE_FLOATS, ARG_Q, ARG_SCALE, ARG_SUM, ARG_N_OUT, ARG_K,
+       ARG_ROWS, ARG_BITS, ARG_BLOCKS, ARG_CHUNK_BLOCKS, ARG_COUNT };
 _Static_assert(ARG_COUNT <= HELPER_WORDS, "a linear's arguments fit the helper's words");
 #define ARG(type, args, name) ((type)(uintptr_t)(args)[ARG_##name])
 
-/* A linear on one thread, shared with the helper (helper_cpu.c) in chunks of blocks of output
- * channels. Its quantized activations and the helper's staging [rows, n_out] are kept here
- * across calls, as the helper may still read them after an op. */
+/* A linear on one thread, shared with the helpers (helper_cpu.c) in chunks of blocks of output
+ * channels. Its quantized activations and each helper's staging [rows, n_out] are kept here
+ * across calls, as a helper may still read them after an op. */
 static struct {
     int8_t *q;
     float *scale, *scaled_sum, *staging;
@@ -326,7 +326,8 @@ static struct {
 
 /* Buffers for `rows` of k inputs and n_out outputs; 0, or -1 when out of memory. */
 static int reserve_shared(int64_t rows, int64_t k, int64_t n_out) {
-    size_t q_bytes = (size_t)(rows * k), groups = (size_t)(rows * (k / GROUP)), staging = (size_t)(rows * n_out);
+    size_t q_bytes = (size_t)(rows * k), groups = (size_t)(rows * (k / GROUP));
+    size_t staging = (size_t)(rows * n_out) * HELPER_THREADS;
     if (q_bytes <= shared.q_bytes && groups <= shared.groups && staging <= shared.staging_floats) return 0;
     helper_settle();  /* it may be reading the old ones */
     free(shared.q), free(shared.scale), free(shared.scaled_sum), free(shared.staging);
@@ -349,21 +350,27 @@ static void chunk_blocks(const uint64_t *args, int64_t chunk, int64_t *first, in
     *last = *first + size < blocks ? *first + size : blocks;
 }
 
-static void run_chunk(const uint64_t *args, int64_t chunk, int staged) {
+/* Where `helper` stages its chunks (-1: the caller, straight into y). */
+static float *stage(const uint64_t *args, int helper) {
+    if (helper < 0) return ARG(float *, args, Y);
+    return ARG(float *, args, STAGING) + (size_t)helper * ARG(size_t, args, STAGE_FLOATS);
+}
+
+static void run_chunk(const uint64_t *args, int64_t chunk, int helper) {
     int64_t first, last;
     chunk_blocks(args, chunk, &first, &last);
     compute_blocks(ARG(const uint8_t *, args, W), ARG(int, args, BITS), ARG(int64_t, args, K),
                    ARG(const int8_t *, args, Q), ARG(const float *, args, SCALE), ARG(const float *, args, SUM),
                    ARG(int64_t, args, ROWS), ARG(const float *, args, BIAS),
-                   staged ? ARG(float *, args, STAGING) : ARG(float *, args, Y), ARG(int64_t, args, N_OUT),
+                   stage(args, helper), ARG(int64_t, args, N_OUT),
                    first, last);
 }
 
-static void merge_chunk(const uint64_t *args, int64_t chunk) {
+static void merge_chunk(const uint64_t *args, int64_t chunk, int helper) {
     int64_t first, last, n_out = ARG(int64_t, args, N_OUT);
     chunk_blocks(args, chunk, &first, &last);
     int64_t start = first * LANES, end = last * LANES < n_out ? last * LANES : n_out;
-    const float *staging = ARG(const float *, args, STAGING);
+    const float *staging = stage(args, helper);
     float *y = ARG(float *, args, Y);
     for (int64_t r = 0; r < ARG(int64_t, args, ROWS); r++)
         memcpy(y + r * n_out + start, staging + r * n_out + start, sizeof(float) * (size_t)(end - start));
@@ -386,7 +393,9 @@ static int share_linear(const uint8_t *w, int bits, int64_t n_out, int64_t k, co
     int64_t size = (blocks + chunks - 1) / chunks;
     uint64_t args[HELPER_WORDS] = {
         [ARG_W] = (uintptr_t)w, [ARG_BIAS] = (uintptr_t)bias, [ARG_Y] = (uintptr_t)y,
-        [ARG_STAGING] = (uintptr_t)shared.staging, [ARG_Q] = (uintptr_t)shared.q,
+        /* Each helper's place is the same for every op: a late helper writes only into its own. */
+        [ARG_STAGING] = (uintptr_t)shared.staging, [ARG_STAGE_FLOATS] = shared.staging_floats / HELPER_THREADS,
+        [ARG_Q] = (uintptr_t)shared.q,
         [ARG_SCALE] = (uintptr_t)shared.scale, [ARG_SUM] = (uintptr_t)shared.scaled_sum,
         [ARG_N_OUT] = (uint64_t)n_out, [ARG_K] = (uint64_t)k, [ARG_ROWS] = (uint64_t)rows, [ARG_BITS] = (uint64_t)bits,
         [ARG_BLOCKS] = (uint64_t)blocks, [ARG_CHUNK_BLOCKS] = (uint64_t)size,

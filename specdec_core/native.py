@@ -52,17 +52,22 @@ class KernelUnavailable(RuntimeError):
 
 
 _share_spare_core = False  # what the library is told when it loads (share_spare_core)
+# Helper threads that share a one-thread op while sharing is on. Two, on a 2-core machine
+# beside a busy process: ours-auto 1.064x faster than with one (16 of 16 prompts; three
+# gave 1.074x, 14 of 16), as the scheduler gives each runnable thread its share; quiet,
+# a forward costs the same with one, two or three (docs/performance.md).
+HELPERS = 2
 
 
 def share_spare_core(on: bool) -> None:
-    """Let ops on one thread share their work with a helper thread (helper_cpu.c): the thread
+    """Let ops on one thread share their work with `HELPERS` helper threads (helper_cpu.c): the thread
     governor turns it on when it runs one thread beside another process's load, to use the
     time the scheduler leaves on the other core. Cheap; the library is not built for it."""
     global _share_spare_core
     _share_spare_core = on
     loaded = _loaded()
     if loaded is not None:
-        loaded.helper_enable(int(on))
+        loaded.helper_enable(HELPERS if on else 0)
 
 
 def settle_helper() -> None:
@@ -119,11 +124,13 @@ def _load() -> ctypes.CDLL | KernelUnavailable:
     lib.int4_linear.restype = c_int
     lib.helper_enable.argtypes = [c_int]
     lib.helper_enable.restype = None
-    lib.helper_enable(int(_share_spare_core))
+    lib.helper_enable(HELPERS if _share_spare_core else 0)
     lib.helper_settle.argtypes = []
     lib.helper_settle.restype = None
     lib.helper_counts.argtypes = [ctypes.POINTER(ctypes.c_uint64 * 2)]
     lib.helper_counts.restype = None
+    lib.helper_lag.argtypes = [c_int]
+    lib.helper_lag.restype = None
     lib.int4_pack.argtypes = [pointer, size, size, c_int, pointer, c_int]
     lib.int4_pack.restype = c_int
     lib.int4_unpack.argtypes = [pointer, size, size, c_int, pointer, c_int]

@@ -17,10 +17,12 @@ from specdec_core.int4_cpu import Int4Linear
 pytestmark = pytest.mark.skipif(native.unavailable() is not None, reason=str(native.unavailable()))
 
 
-@pytest.fixture
-def one_thread() -> Iterator[None]:
+@pytest.fixture(params=[1, 3], ids=["one helper", "three helpers"])
+def one_thread(request, monkeypatch) -> Iterator[None]:
+    """One torch thread, sharing its ops with this many helper threads when sharing is on."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    monkeypatch.setattr(native, "HELPERS", request.param)
     yield
     torch.set_num_threads(threads)
     native.share_spare_core(False)
@@ -137,3 +139,25 @@ def test_converting_a_linear_first_waits_for_the_helper(monkeypatch) -> None:
     linear = _linear(40, 64, bits=4)
     linear.to(torch.float64)
     assert settled
+
+
+def test_back_to_back_ops_of_other_shapes_never_take_a_late_helpers_numbers(one_thread) -> None:
+    """A helper may finish a chunk of an op that has ended while the next ops run: it must
+    never write where another helper stages a chunk of a later op. Helpers are made late
+    often, as a descheduled one is."""
+    shapes = ((3584, 768), (768, 3584), (256, 768), (768, 768))
+    linears = [_linear(n_out, k, bits=4, seed=n_out) for n_out, k in shapes]
+    inputs = [torch.randn(rows, linear.in_features) for rows, linear in zip((5, 3, 9, 5), linears, strict=True)]
+    native.share_spare_core(False)
+    expected = [linear(x) for linear, x in zip(linears, inputs, strict=True)]
+    native.share_spare_core(True)
+    native.library().helper_lag(7)
+    try:
+        wrong = sum(
+            not torch.equal(linear(x), want)
+            for _ in range(500)
+            for linear, x, want in zip(linears, inputs, expected, strict=True)
+        )
+    finally:
+        native.library().helper_lag(0)
+    assert wrong == 0
