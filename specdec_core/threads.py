@@ -18,11 +18,12 @@ a free core (hysteresis: a brief lull does not bring the collapse back).
 At one thread, the core it leaves still has spare time: the scheduler gives another
 process's busy thread half of a shared core, not all of it. So while the governor runs
 fewer threads than it would on a quiet machine, the C kernels' linears share their work
-with a helper thread that never makes the caller wait (helper_cpu.c; measured beside a
-busy process, the 1.5B's 5-token verify took 76-82 ms with it against 95-107 ms without,
-and ours-auto answered 1.16-1.20x faster, docs/performance.md). The helper's time comes
-out of the neighbour's (measured: 1.00 core busy without it, ~0.7 with it), which is
-still far more load than the 0.08 of a core under which a second thread comes back.
+with helper threads that never make the caller wait (helper_cpu.c; measured beside a
+busy process, the 1.5B's 5-token verify took 76-82 ms with one against 95-107 ms without,
+and ours-auto answered 1.16-1.20x faster with one and 1.06-1.07x faster again with two,
+docs/performance.md). The helpers' time comes out of the neighbour's (measured: 1.00 core
+busy without one, ~0.7 with one), which is still far more load than the 0.08 of a core
+under which a second thread comes back.
 
 A thread count changed in the middle of an answer must not change its numbers. Our
 int8 rows come out bitwise the same at 1 and 2 threads (tests/test_threads.py), but an
