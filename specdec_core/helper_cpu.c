@@ -50,6 +50,8 @@
 #define LOW(claim) ((int64_t)(((claim) >> 16) & 0xFFFF))
 #define HIGH(claim) ((int64_t)((claim) & 0xFFFF))
 #define DONE(op, index) ((uint64_t)(op) << 8 | (uint64_t)(index))
+#define DONE_OP(done) ((uint32_t)((done) >> 8))
+#define DONE_HELPER(done) ((int)((done) & 0xFF))
 
 static struct {
     pthread_mutex_t owner; /* one caller shares at a time; another runs its ops alone */
@@ -192,8 +194,8 @@ void helper_share(const helper_work *work, const uint64_t *args, int64_t chunks)
     }
     for (int64_t c = LOW(claim); c < chunks; c++) {
         uint64_t done = __atomic_load_n(&helper.done[c], __ATOMIC_ACQUIRE);
-        if (done >> 8 == op) {
-            work->merge(args, c, (int)(done & 0xFF));
+        if (DONE_OP(done) == op) {
+            work->merge(args, c, DONE_HELPER(done));
             helper.merged++;
         } else {
             work->run(args, c, -1);

@@ -19,7 +19,7 @@ int helper_begin(void);
 void helper_share(const helper_work *work, const uint64_t *args, int64_t chunks);
 void helper_end(void);
 void helper_settle(void);
-void helper_enable(int on);
+void helper_enable(int count);
 void helper_counts(uint64_t counts[2]);
 void helper_lag(int every);
 #endif

@@ -71,7 +71,7 @@ def share_spare_core(on: bool) -> None:
 
 
 def settle_helper() -> None:
-    """Wait until the helper holds no chunk of an op: after this, what earlier ops read (a
+    """Wait until no helper holds a chunk of an op: after this, what earlier ops read (a
     linear's weights) may be freed. Nothing to do before the library is loaded."""
     loaded = _loaded()
     if loaded is not None:
