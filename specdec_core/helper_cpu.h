@@ -5,7 +5,9 @@
 
 #define HELPER_WORDS 15    /* an op's arguments, as 64-bit words */
 #define HELPER_CHUNKS 64   /* the most chunks an op is cut into */
-#define HELPER_THREADS 4   /* the most helpers; each stages its chunks in its own buffer */
+/* The most helpers; each stages its chunks in its own buffer, reserved for all of them. Two
+ * ship (native.HELPERS): on a 2-core machine a third gained no more. */
+#define HELPER_THREADS 2
 
 /* What an op's chunks do: `run` computes chunk c into its place (helper = -1, the caller) or
  * into that helper's own staging buffer (0 .. HELPER_THREADS - 1); `merge` copies a chunk
