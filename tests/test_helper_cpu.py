@@ -141,7 +141,7 @@ def test_converting_a_linear_first_waits_for_the_helper(monkeypatch) -> None:
     assert settled
 
 
-def test_back_to_back_ops_of_other_shapes_never_take_a_late_helpers_numbers(one_thread) -> None:
+def test_back_to_back_ops_never_take_a_late_helpers_numbers(one_thread) -> None:
     """A helper may finish a chunk of an op that has ended while the next ops run: it must
     never write where another helper stages a chunk of a later op, of another shape or of
     the same one on other inputs. Helpers are made late often, as a descheduled one is."""
