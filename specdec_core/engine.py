@@ -188,7 +188,9 @@ class SpeculativeEngine:
                     run.stop_reason = "cancelled"
                     run.prefill_seconds = time.perf_counter() - start
                     return False
-                default_governor().maybe_adjust()  # a minute-long read follows the load too
+            # Every read follows the load: a short prompt's one forward (load that came while
+            # the user read the last answer) as much as each chunk of a minute-long one.
+            default_governor().maybe_adjust()
             self.target.forward(pending[first : first + chunk], logits_to_keep=1)
             run.target_forwards += 1
         self.drafter.sync(tokens)

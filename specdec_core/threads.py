@@ -15,6 +15,14 @@ It drops threads at once when one of ours would share a core with more than 0.15
 a core of someone else's work, and adds one back only after two checks in a row with
 a free core (hysteresis: a brief lull does not bring the collapse back).
 
+A window says little about now when it is long: while the user reads an answer the
+engine makes no calls, and a neighbour that started a second before the next message is
+a sixtieth of a minute's window. So the first check of an answer after `STALE_S` without
+one, and the very first call, count the threads of other processes that are runnable at
+that instant instead (`running_elsewhere`; Linux). Measured on the 2-core Xeon VM, a
+128-token prompt read at two threads beside a loop that had started a second before
+took 1.70-1.83 s against 0.56 quiet; docs/performance.md has the figures with the count.
+
 At one thread, the core it leaves still has spare time: the scheduler gives another
 process's busy thread half of a shared core, not all of it. So while the governor runs
 fewer threads than it would on a quiet machine, the C kernels' linears share their work
@@ -45,6 +53,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 import psutil
@@ -64,6 +73,8 @@ FIRST_CHECK_S = 0.25  # the first decision comes early: a stalled first second i
 DOWN_MARGIN = 0.15
 UP_MARGIN = 0.08  # add one when a whole core but this much is free ...
 UP_CHECKS = 2  # ... on this many checks in a row
+# A check this long past due reads the instant count, not the window (see the module doc).
+STALE_S = 2.0
 
 
 class LoadProbe(Protocol):
@@ -87,6 +98,26 @@ class PsutilProbe:
         busy = sum(per_cpu[i] for i in self._cpus if i < len(per_cpu)) / 100.0
         own = self._process.cpu_percent(None) / 100.0
         return max(0.0, busy - own)
+
+
+def running_elsewhere() -> float | None:
+    """Threads of other processes runnable at this instant: the kernel's count of runnable
+    threads less this process's own (Linux); None where either cannot be read."""
+    try:
+        stat = Path("/proc/stat").read_text()
+        running = int(next(line.split()[1] for line in stat.splitlines() if line.startswith("procs_running")))
+        own = sum(_running(task) for task in Path("/proc/self/task").iterdir())
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+    return float(max(0, running - own))
+
+
+def _running(task: Path) -> bool:
+    """Whether one of this process's threads is runnable (its stat's state, after the name)."""
+    try:
+        return (task / "stat").read_text().rpartition(")")[2].split()[0] == "R"
+    except (OSError, IndexError):
+        return False  # a thread that ended while being read
 
 
 def _usable_cpus() -> list[int]:
@@ -118,12 +149,14 @@ class ThreadGovernor:
         clock: Callable[[], float] = time.monotonic,
         interval_s: float = CHECK_INTERVAL_S,
         follow_load: bool = True,
+        running_now: Callable[[], float | None] | None = None,
     ) -> None:
         self.max_threads = max(1, max_threads or torch.get_num_threads())
         self.cores = cores or len(_usable_cpus())
         self.pinned = pinned
         self.follow_load = follow_load  # False: keep the thread count (results may depend on it)
         self._probe = probe
+        self._running_now = running_now  # the instant count for stale checks (None: windows only)
         self._clock = clock
         self._interval_s = interval_s
         self._threads = self.max_threads
@@ -152,10 +185,14 @@ class ThreadGovernor:
             if self._next_check is None:  # first call: start the measuring window
                 self._probe = self._probe or PsutilProbe()
                 self._next_check = now + min(FIRST_CHECK_S, self._interval_s)
+                self._decide_from_instant()
             elif now >= self._next_check:
+                stale = now - self._next_check > STALE_S
                 self._next_check = now + self._interval_s
                 assert self._probe is not None
-                self.last = self.decide(self._probe.others_busy())
+                busy = self._probe.others_busy()  # also starts the next window
+                if not (stale and self._decide_from_instant()):
+                    self.last = self.decide(busy)
             else:
                 return
         if torch.get_num_threads() != self.threads:
@@ -163,6 +200,14 @@ class ThreadGovernor:
         if self._sharing != self.shares_spare_core:
             self._sharing = self.shares_spare_core
             native.share_spare_core(self._sharing)
+
+    def _decide_from_instant(self) -> bool:
+        """Decide from the instant count of other runnable threads, if there is one."""
+        running = self._running_now() if self._running_now is not None else None
+        if running is None:
+            return False
+        self.last = self.decide(running)
+        return True
 
     @property
     def shares_spare_core(self) -> bool:
@@ -217,5 +262,9 @@ def default_governor() -> ThreadGovernor:
     with _default_lock:
         if _default is None:
             # Follows the load once a self-check has shown that thread counts don't change results.
-            _default = ThreadGovernor(pinned=parse_threads_setting(os.environ.get(ENV_VAR)), follow_load=False)
+            _default = ThreadGovernor(
+                pinned=parse_threads_setting(os.environ.get(ENV_VAR)),
+                follow_load=False,
+                running_now=running_elsewhere,
+            )
         return _default

@@ -109,6 +109,60 @@ def test_checks_the_load_only_when_due_and_applies_the_choice(restore_threads: N
     assert load.calls == 3 and torch.get_num_threads() == 2
 
 
+def test_after_an_idle_spell_the_first_check_counts_the_threads_running_now(restore_threads: None) -> None:
+    """A neighbour that started a second before the next message is a sliver of a minute's window."""
+    clock = Clock()
+    load = ScriptedLoad([0.0, 0.02, 0.02])
+    running = [0.0]
+    g = ThreadGovernor(
+        max_threads=2, cores=2, probe=load, clock=clock, interval_s=1.0, running_now=lambda: running[0]
+    )
+    g.maybe_adjust()  # the first call counts too: nobody else running
+    assert g.threads == 2
+    clock.now = 0.3
+    g.maybe_adjust()  # a window check, not stale
+    assert load.calls == 1 and g.threads == 2
+    running[0] = 1.0  # the user reads for a minute; a busy loop starts just before the next message
+    clock.now = 60.0
+    g.maybe_adjust()
+    assert g.threads == 1 and torch.get_num_threads() == 1
+    assert load.calls == 2  # the window restarts all the same
+    clock.now = 61.0
+    g.maybe_adjust()  # due on time: the window's 0.02 again, and one quiet check does not add a thread
+    assert load.calls == 3 and g.threads == 1
+
+
+def test_a_check_on_time_reads_the_window_not_the_instant(restore_threads: None) -> None:
+    clock = Clock()
+    load = ScriptedLoad([0.0])
+    running = [None]
+    g = ThreadGovernor(
+        max_threads=2, cores=2, probe=load, clock=clock, interval_s=1.0, running_now=lambda: running[0]
+    )
+    g.maybe_adjust()  # no instant count here (not Linux): the window decides
+    running[0] = 2.0  # a blip at the instant of the check
+    clock.now = 0.3
+    g.maybe_adjust()
+    assert g.threads == 2
+
+
+def test_running_elsewhere_sees_a_busy_process(restore_threads: None) -> None:
+    if threads.running_elsewhere() is None:
+        pytest.skip("no /proc here")
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        seen = []
+        for _ in range(50):  # until the loop runs (its interpreter takes a moment to start)
+            seen.append(threads.running_elsewhere())
+            if seen[-1]:
+                break
+            subprocess.run(["sleep", "0.05"], check=True)
+        assert seen[-1] is not None and seen[-1] >= 1.0
+    finally:
+        busy.kill()
+        busy.wait()
+
+
 def test_a_restarted_window_leaves_out_the_cpu_time_before_it(restore_threads: None) -> None:
     clock = Clock()
     load = ScriptedLoad([2.0, 0.0])  # 2.0: the bench's peer server answering while we waited
@@ -222,6 +276,29 @@ def test_a_users_own_openmp_spin_or_wait_policy_is_kept() -> None:
     unset: dict[str, str] = {}
     openmp.apply_defaults(unset)
     assert unset == {"GOMP_SPINCOUNT": openmp.SPIN_COUNT}
+
+
+def test_a_short_prompt_is_read_at_the_governors_count(target, tokenizer, restore_threads: None) -> None:
+    """Load that came between two answers: the prompt's one forward already runs at the new count."""
+    engine = SpeculativeEngine(target, tokenizer)
+    governor = default_governor()
+    saved = governor.pinned
+    governor.pin(1)  # what the governor chooses when another process takes a core
+    torch.set_num_threads(2)
+    counts = []
+    forward = engine.target.forward
+
+    def counting(*args, **kwargs):
+        counts.append(torch.get_num_threads())
+        return forward(*args, **kwargs)
+
+    engine.target.forward = counting
+    try:
+        for _ in engine.generate([3, 4, 5, 6, 7], GenerationParams(max_new_tokens=2)):
+            pass
+    finally:
+        governor.pin(saved)
+    assert counts[0] == 1  # the prompt's read
 
 
 def test_a_long_prompt_follows_the_governor_between_its_chunks(target, tokenizer, restore_threads: None) -> None:
