@@ -17,9 +17,9 @@ a free core (hysteresis: a brief lull does not bring the collapse back).
 
 A window says little about now when it is long: while the user reads an answer the
 engine makes no calls, and a neighbour that started a second before the next message is
-a sixtieth of a minute's window. So the first check of an answer after `STALE_S` without
-one, and the very first call, count the threads of other processes that are runnable at
-that instant instead (`running_elsewhere`; Linux). Measured on the 2-core Xeon VM, a
+a sixtieth of a minute's window. So a check that comes more than `STALE_S` past due, and
+the very first call, count the threads of other processes that are runnable at that
+instant instead (`running_elsewhere`; Linux). Measured on the 2-core Xeon VM, a
 128-token prompt read at two threads beside a loop that had started a second before
 took 1.70-1.83 s against 0.56 quiet; docs/performance.md has the figures with the count.
 
