@@ -9,7 +9,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import hub
+from . import hub, kernel_files
 from .cache import cache_dir, converted_dir, downloads_dir, fetched_gguf_dir, kernels_dir, verify_file
 from .catalog import HubSource, PackageIndexSource, load_catalog
 from .gguf_convert import is_converted, read_marker, usable_conversion
@@ -81,7 +81,31 @@ def verify_cache(
                 chunk = item.path / f"part{index:02d}.bin"
                 if chunk.is_file():
                     results.append(_verify_one(item, chunk, part.sha256, progress, cancel))
-    return results + _verify_hub_cache(names, progress, cancel)
+        elif item.kind == "kernel":
+            results.append(_verify_kernel(item))
+    return results + _verify_kernels_folder(names) + _verify_hub_cache(names, progress, cancel)
+
+
+def _verify_kernel(item: CacheItem) -> VerifiedItem:
+    """A compiled kernel against its recorded sha256, owner and mode (kernel_files.py); the
+    user's own bad one is deleted, one that is not the user's is named and left alone."""
+    try:
+        reason = kernel_files.problem(item.path)
+    except kernel_files.KernelFileError as exc:
+        return VerifiedItem(item, False, str(exc))
+    if reason is None:
+        return VerifiedItem(item, True, "ok")
+    kernel_files.discard(item.path)
+    return VerifiedItem(item, False, f"{reason}: deleted; compiled again when next used")
+
+
+def _verify_kernels_folder(names: set[str] | None) -> list[VerifiedItem]:
+    """The kernels folder itself, when the whole cache is verified: the user's and private."""
+    folder = kernels_dir()
+    problem = kernel_files.folder_problem(folder) if names is None and folder.exists() else None
+    if problem is None:
+        return []
+    return [VerifiedItem(CacheItem("kernel", folder, _tree_size(folder), "the kernels folder"), False, problem)]
 
 
 def _verify_hub_cache(
@@ -144,6 +168,8 @@ def clear_cache(kinds: set[str] | None = None) -> list[CacheItem]:
         if kinds is None or item.kind in kinds:
             if item.path.is_dir():
                 shutil.rmtree(item.path)
+            elif item.kind == "kernel":
+                kernel_files.discard(item.path)  # with its recorded sha256
             else:
                 item.path.unlink()
             removed.append(item)

@@ -10,8 +10,10 @@ speculative decoding exact.
 The sources ship with the package. The first use compiles them with the system's C
 compiler (a second or two) into `<cache>/kernels/native-<key>.so`, the key a hash of
 the sources, compiler and flags; the file is renamed into place when complete, and a
-damaged one is deleted and compiled again. The library links the OpenMP runtime torch
-already loaded, so the two share one thread pool.
+damaged one is deleted and compiled again. It is loaded only from a private folder,
+owned by the user, with the sha256 recorded when it was compiled (kernel_files.py).
+The library links the OpenMP runtime torch already loaded, so the two share one
+thread pool.
 
 The kernels are written for 16-lane vectors (simd16.h). A CPU with AVX-512 VNNI gets
 them as AVX-512 instructions; one with AVX2, FMA and F16C (most desktop CPUs since
@@ -28,9 +30,9 @@ import functools
 import hashlib
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
+from . import kernel_files
 from .cache import kernels_dir
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("int4_cpu.c", "helper_cpu.c", "attention_cpu.c", "layers_cpu.c"))
@@ -163,7 +165,7 @@ def _open(isa_flags: tuple[str, ...]) -> ctypes.CDLL:
     try:
         return ctypes.CDLL(str(built))
     except OSError:
-        built.unlink(missing_ok=True)
+        kernel_files.discard(built)
     try:
         return ctypes.CDLL(str(_build(isa_flags)))
     except OSError as exc:
@@ -207,7 +209,7 @@ def _vendor_flags() -> tuple[str, ...]:
 
 
 def _build(isa_flags: tuple[str, ...]) -> Path:
-    """The compiled library in the cache folder, compiling it first if needed."""
+    """The compiled library in the cache folder, checked (kernel_files.py), compiling it first if needed."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler:
         raise KernelUnavailable(
@@ -217,26 +219,24 @@ def _build(isa_flags: tuple[str, ...]) -> Path:
         text = b"".join(source.read_bytes() for source in (*SOURCES, *HEADERS))
         flags = (*COMMON_FLAGS, *isa_flags, *_vendor_flags())
         key = hashlib.sha256(text + " ".join((compiler, *flags)).encode()).hexdigest()[:16]
-        built = kernels_dir() / f"native-{key}.so"
-        if built.exists():
-            return built
-        built.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:  # a source unreadable, the cache folder not writable
+        built = kernel_files.private_folder(kernels_dir()) / f"native-{key}.so"
+        with kernel_files.compile_lock(built.parent):  # a second process finds the first one's library
+            if not kernel_files.usable(built):
+                _compile(compiler, flags, built)
+    except kernel_files.KernelFileError as exc:  # a file or folder others could write, a hung compiler
+        raise KernelUnavailable(f"{exc}; {_INT4_ADVICE}") from exc
+    except OSError as exc:  # a source unreadable, the cache folder not writable, no compiler to run
         raise KernelUnavailable(f"int4's kernel could not be built ({exc}); {_INT4_ADVICE}") from exc
+    return built
+
+
+def _compile(compiler: str, flags: tuple[str, ...], built: Path) -> None:
     partial = built.with_name(f"{built.name}.{os.getpid()}.tmp")  # renamed into place when complete
     try:
-        done = subprocess.run(
-            [compiler, *flags, *map(str, SOURCES), "-o", str(partial)],
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        done = kernel_files.run_compiler([compiler, *flags, *map(str, SOURCES), "-o", str(partial)])
         if done.returncode != 0:
             first = (done.stderr.strip().splitlines() or ["no message"])[0]
             raise KernelUnavailable(f"int4's kernel did not compile ({first}); {_INT4_ADVICE}")
-        os.replace(partial, built)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise KernelUnavailable(f"int4's kernel could not be built ({exc}); {_INT4_ADVICE}") from exc
+        kernel_files.install(partial, built)
     finally:
         partial.unlink(missing_ok=True)
-    return built
