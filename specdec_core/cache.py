@@ -7,7 +7,8 @@ Layout (`cache_dir()`, overridable with SPECDEC_CACHE_DIR):
     converted/<sha256[:16]>/          converted HF folders, keyed by the GGUF's content
     hashes.json                       sha256 records of files: path -> size, mtime, sha256
     locks/                            so that two specdec processes never convert one file at once
-    kernels/native-<key>.so           the C kernels (4-bit linears, attention) compiled here (native.py)
+    kernels/native-<key>.so           the C kernels (4-bit linears, attention) compiled here (native.py),
+                                      in a private folder with their sha256 beside them (kernel_files.py)
 
 Verified at use, cheaply. Every artefact is fully hashed once, when it is made (a
 chunk as it is extracted, the GGUF as it is assembled, a converted folder's files
