@@ -226,7 +226,8 @@ def _verify(names: list[str], progress: TerminalProgress) -> bool:
     damaged = sum(not r.ok for r in results)
     if damaged:
         again = "fetching them again" if names else "they are made again when next used"
-        print(f"specdec: {damaged} damaged item(s) deleted; {again}", file=sys.stderr)
+        # A kernel that is not the user's is named, not deleted: each line says what was done.
+        print(f"specdec: {damaged} damaged item(s), each line says what was done; {again}", file=sys.stderr)
     else:
         print(f"specdec: {len(results)} item(s) verified, all intact", file=sys.stderr)
     return damaged == 0

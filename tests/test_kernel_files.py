@@ -156,3 +156,12 @@ def test_fetch_verify_reports_and_deletes_a_tampered_kernel(fake_cc, capsys):
     out = capsys.readouterr().out
     assert f"DAMAGED\t{built}\tfailed its sha256 check: deleted; compiled again when next used" in out
     assert not built.exists() and not kernel_files.record_path(built).exists()
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="needs root to give a file away")
+def test_fetch_verify_names_a_kernel_owned_by_someone_else_and_leaves_it(fake_cc, capsys):
+    built = native._build(FLAGS)
+    os.chown(built, NOBODY, NOBODY)
+    assert main(["fetch", "--verify"]) == 1
+    assert f"DAMAGED\t{built}\tthe compiled kernel {built} is owned by uid {NOBODY}" in capsys.readouterr().out
+    assert built.exists()
