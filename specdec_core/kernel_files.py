@@ -69,9 +69,9 @@ def private_folder(folder: Path) -> Path:
         except FileExistsError:
             continue  # another process made it in the meantime; checked below like any other
         os.chmod(path, 0o700)  # whatever the umask left
-    problem = folder_problem(folder)
-    if problem:
-        raise KernelFileError(problem)
+    refusal = folder_problem(folder)
+    if refusal:
+        raise KernelFileError(refusal)
     return folder
 
 
