@@ -73,7 +73,8 @@ class GaugePanel(QWidget):
         self.exactness = QLabel("", objectName="exactnessLabel")  # the loaded pair's self-check
         self.exactness.setWordWrap(True)
         self.exactness.setToolTip(
-            "Checked when the model loaded: a k-token verify compared with k plain target steps"
+            "Checked when the model loaded: the widest verify the engine issues, compared row by row "
+            "with plain target steps at every thread count the engine may use"
         )
 
         grid = QGridLayout()

@@ -112,7 +112,9 @@ def to_markdown(report: BenchReport) -> str:
     exactness = c.get("exactness")
     if exactness:
         lines.append(
-            f"- exactness self-check: {exactness.get('label')} (max logit difference "
+            f"- exactness self-check: {exactness['summary']}"
+            if exactness.get("summary")  # runs before the summary was recorded have only the figures
+            else f"- exactness self-check: {exactness.get('label')} (max logit difference "
             f"{exactness.get('max_logit_diff')}, {exactness.get('positions')} positions)"
         )
     lines += ["", "## Targets", ""]
