@@ -38,8 +38,9 @@ int8 rows come out bitwise the same at 1 and 2 threads (tests/test_threads.py), 
 fp32 matmul does not (measured ~4e-5 on a tiny model), so the process's governor
 follows the load only once the exactness self-check has seen every count it may choose
 (1 to `max_threads`) reproduce the verify and plain steps of the count it ran at
-(`follow_load`, set by selfcheck.py); until then it keeps the count it has. `SPECDEC_THREADS=N` pins N threads (the governor then only
-applies it); unset or `auto` lets the governor choose between 1 and torch's initial count.
+(`follow_load`, set by selfcheck.py); until then it keeps the count it has.
+`SPECDEC_THREADS=N` pins N threads (the governor then only applies it); unset or `auto`
+lets the governor choose between 1 and torch's initial count.
 
 Torch keeps the OpenMP thread count per calling thread, so the governor sets it from
 the thread that runs the forwards: the engine's step loop.
