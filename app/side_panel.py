@@ -18,12 +18,10 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from specdec_core import GenerationParams, GenerationStats, StepEvent
+from specdec_core import MAX_DRAFT_LENGTH, GenerationParams, GenerationStats, StepEvent
 
 from .gauges import Gauge, Sparkline
 from .settings import AppSettings
-
-MAX_PINNED_K = 12
 
 
 def answer_footer(stats: GenerationStats, draft_name: str) -> str:
@@ -75,7 +73,8 @@ class GaugePanel(QWidget):
         self.exactness = QLabel("", objectName="exactnessLabel")  # the loaded pair's self-check
         self.exactness.setWordWrap(True)
         self.exactness.setToolTip(
-            "Checked when the model loaded: a k-token verify compared with k plain target steps"
+            "Checked when the model loaded: the widest verify the engine issues, compared row by row "
+            "with plain target steps at every thread count the engine may use"
         )
 
         grid = QGridLayout()
@@ -163,7 +162,7 @@ class GenerationSettings(QGroupBox):
         self.seed.setValue(settings.seed)
         self.draft_length = QComboBox(objectName="draftLengthMenu")
         self.draft_length.addItem("auto (adaptive)", 0)
-        for k in range(1, MAX_PINNED_K + 1):
+        for k in range(1, MAX_DRAFT_LENGTH + 1):
             self.draft_length.addItem(f"pinned k = {k}", k)
         self.draft_length.setCurrentIndex(max(0, self.draft_length.findData(settings.draft_length)))
         self.draft_length.setToolTip("auto picks k each step from measured acceptance and costs")

@@ -49,6 +49,7 @@ _EXPORTS = {
     "NgramDrafter": "drafters",
     "NoDrafter": "drafters",
     "GenerationParams": "engine",
+    "MAX_DRAFT_LENGTH": "engine",
     "SpeculativeEngine": "engine",
     "SpecdecError": "errors",
     "DoneEvent": "events",
@@ -66,6 +67,7 @@ __all__ = [
     "DEFAULT_DRAFT",
     "DEFAULT_TARGET",
     "DEVICES",
+    "MAX_DRAFT_LENGTH",
     "PRECISIONS",
     "Cancelled",
     "ChatSession",
@@ -110,7 +112,7 @@ if TYPE_CHECKING:
     from .cli import add_model_options
     from .compat import Compatibility, rate_draft
     from .drafters import Drafter, ModelDrafter, NgramDrafter, NoDrafter
-    from .engine import GenerationParams, SpeculativeEngine
+    from .engine import MAX_DRAFT_LENGTH, GenerationParams, SpeculativeEngine
     from .errors import Cancelled, ContextTooLong, InternalError, OutOfMemory, SpecdecError
     from .events import DoneEvent, Event, PrefillEvent, ReadingEvent, Source, StepEvent, TokenEvent
     from .loading import DEVICES, PRECISIONS

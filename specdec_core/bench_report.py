@@ -111,10 +111,12 @@ def to_markdown(report: BenchReport) -> str:
     lines += [f"- skipped `{name}`: {reason}" for name, reason in skipped.items()]
     exactness = c.get("exactness")
     if exactness:
-        lines.append(
-            f"- exactness self-check: {exactness.get('label')} (max logit difference "
+        # Runs saved before the report carried its summary have only the figures.
+        summary = exactness.get("summary") or (
+            f"{exactness.get('label')} (max logit difference "
             f"{exactness.get('max_logit_diff')}, {exactness.get('positions')} positions)"
         )
+        lines.append(f"- exactness self-check: {summary}")
     lines += ["", "## Targets", ""]
     lines += _table(["bar", "goal", "measured", "met"], [_target_row(t) for t in report.targets])
     if any(m in report.summary for m in ("llama-server", "llama-server-draft")):

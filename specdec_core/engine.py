@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -35,9 +35,11 @@ from .drafters import EMPTY_DRAFT, NONE, Draft, DraftPlan, DraftStrategy, NoDraf
 from .events import DoneEvent, Event, PrefillEvent, ReadingEvent, Source, StepEvent, TokenEvent
 from .kvcache import CachedModel
 from .sampling import SamplingParams
-from .selfcheck import ExactnessReport
 from .stats import GenerationStats, StatsAccumulator
 from .threads import default_governor
+
+if TYPE_CHECKING:  # selfcheck.py reads MAX_DRAFT_LENGTH from here
+    from .selfcheck import ExactnessReport
 
 # Prompt tokens per target forward while reading a long prompt. Between chunks the engine
 # reports progress and honours a stop: the 1.5B target reads 128 tokens in ~0.85 s on a
@@ -45,6 +47,10 @@ from .threads import default_governor
 # chunk's rows stay in the core's cache while each block of weights passes over them
 # (measured with scripts/prefill-chunks in docs/engine.md).
 PREFILL_CHUNK = 128
+# The longest draft one verify may carry (`GenerationParams.max_draft_length`): the
+# self-check compares a verify at least MAX_DRAFT_LENGTH + 1 rows wide with plain steps,
+# so no verify the engine issues is wider than what it checked (check_params refuses more).
+MAX_DRAFT_LENGTH = 12
 
 
 @dataclass(frozen=True)

@@ -73,6 +73,11 @@ def share_spare_core(on: bool) -> None:
         loaded.helper_enable(HELPERS if on else 0)
 
 
+def sharing_spare_core() -> bool:
+    """What `share_spare_core` was last told."""
+    return _share_spare_core
+
+
 def settle_helper() -> None:
     """Wait until no helper holds a chunk of an op: after this, what earlier ops read (a
     linear's weights) may be freed. Nothing to do before the library is loaded."""

@@ -36,7 +36,7 @@ import torch
 from .chat import Message, encode_chat, encode_text
 from .compat import Compatibility, rate_draft
 from .drafters import NGRAM
-from .engine import GenerationParams, SpeculativeEngine
+from .engine import MAX_DRAFT_LENGTH, GenerationParams, SpeculativeEngine
 from .errors import (
     ContextTooLong,
     IncompatibleDraftError,
@@ -331,7 +331,8 @@ def check_params(params: GenerationParams) -> None:
         ("top_p", params.top_p, _is_real(params.top_p) and 0 < params.top_p <= 1, "a number in (0, 1]"),
         ("top_k", params.top_k, _is_int(params.top_k) and params.top_k >= 0, "a whole number ≥ 0 (0 = off)"),
         ("max_draft_length", params.max_draft_length,
-         _is_int(params.max_draft_length) and params.max_draft_length >= 0, "a whole number ≥ 0"),
+         _is_int(params.max_draft_length) and 0 <= params.max_draft_length <= MAX_DRAFT_LENGTH,
+         f"a whole number from 0 to {MAX_DRAFT_LENGTH} (the widest verify the self-check compares)"),
         ("draft_length", params.draft_length, params.draft_length is None
          or (_is_int(params.draft_length) and 0 <= params.draft_length <= params.max_draft_length),
          f"'auto' or a whole number from 0 to {params.max_draft_length}"),

@@ -88,7 +88,8 @@ class GenerationStats:
     # the costs its draft lengths were chosen by.
     verify_curve: tuple[float, ...] = ()
     baseline_measured: bool = False
-    # From the engine's exactness self-check: "bitwise" | "near-ties may differ" | "unchecked".
+    # From the engine's exactness self-check: "bitwise" | "near-ties may differ" |
+    # "unverified: check incomplete" | "unchecked" (no self-check ran).
     exactness: str = "unchecked"
     max_logit_diff: float | None = None
 

@@ -36,10 +36,11 @@ under which a second thread comes back.
 A thread count changed in the middle of an answer must not change its numbers. Our
 int8 rows come out bitwise the same at 1 and 2 threads (tests/test_threads.py), but an
 fp32 matmul does not (measured ~4e-5 on a tiny model), so the process's governor
-follows the load only once the exactness self-check has seen plain steps at one thread
-reproduce a verify at the full count (`follow_load`, set by selfcheck.py); until then
-it keeps the count it has. `SPECDEC_THREADS=N` pins N threads (the governor then only
-applies it); unset or `auto` lets the governor choose between 1 and torch's initial count.
+follows the load only once the exactness self-check has seen every count it may choose
+(1 to `max_threads`) reproduce the verify and plain steps of the count it ran at
+(`follow_load`, set by selfcheck.py); until then it keeps the count it has.
+`SPECDEC_THREADS=N` pins N threads (the governor then only applies it); unset or `auto`
+lets the governor choose between 1 and torch's initial count.
 
 Torch keeps the OpenMP thread count per calling thread, so the governor sets it from
 the thread that runs the forwards: the engine's step loop.
@@ -212,7 +213,11 @@ class ThreadGovernor:
     @property
     def shares_spare_core(self) -> bool:
         """Whether one-thread ops share with a helper: when load, not the user, took threads away."""
-        return self.pinned is None and self.threads < self.max_threads
+        return self.shares_at(self.threads)
+
+    def shares_at(self, threads: int) -> bool:
+        """Whether ops share with a helper while the governor runs `threads` threads."""
+        return self.pinned is None and threads < self.max_threads
 
     def restart_window(self) -> None:
         """Measure the next check's load from now on.

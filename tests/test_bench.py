@@ -167,6 +167,7 @@ def test_markdown_and_plot_are_written(report: dict) -> None:
     out = Path(report["_out"])
     text = (out / "bench.md").read_text()
     assert "| ours-draft |" in text and "Targets" in text and "follow-up" in text
+    assert f"exactness self-check: {report['config']['exactness']['summary']}" in text
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -13,7 +13,7 @@ from specdec_core.drafters import LookupThenModelDrafter, ModelDrafter, NgramDra
 from specdec_core.engine import GenerationParams, SpeculativeEngine
 from specdec_core.events import DoneEvent, PrefillEvent, ReadingEvent, Source, StepEvent, TokenEvent
 from specdec_core.loading import prepare_for_cpu
-from specdec_core.selfcheck import NEAR_TIES, ExactnessReport, check_exactness
+from specdec_core.selfcheck import NEAR_TIES, UNVERIFIED, ExactnessReport, check_exactness
 
 
 def run(engine: SpeculativeEngine, prompt: list[int], **params) -> DoneEvent:
@@ -309,7 +309,9 @@ def test_a_prompt_is_one_forward_unless_the_self_check_measured_bitwise(tokenize
     engine = SpeculativeEngine(target, tokenizer, NoDrafter())
     engine.prefill_chunk = 8
     near_ties = ExactnessReport(label=NEAR_TIES, max_logit_diff=1e-6, positions=8, seconds=0.0)
-    for report in (None, near_ties):  # unchecked, or rows that may depend on each other
+    unverified = ExactnessReport(label=UNVERIFIED, max_logit_diff=0.0, positions=8, seconds=0.0)
+    # Unchecked, rows that may depend on each other, or a check cut short by its budget.
+    for report in (None, near_ties, unverified):
         engine.exactness = report
         engine.target.reset()
         events = list(engine.generate(prompt, GenerationParams(max_new_tokens=4)))
