@@ -42,10 +42,8 @@ if TYPE_CHECKING:  # selfcheck.py reads MAX_DRAFT_LENGTH from here
     from .selfcheck import ExactnessReport
 
 # Prompt tokens per target forward while reading a long prompt. Between chunks the engine
-# reports progress and honours a stop: the 1.5B target reads 128 tokens in ~0.85 s on a
-# 2-core CPU, a 5,000-token paste in ~35-40 s. Chunks are also faster than one forward: a
-# chunk's rows stay in the core's cache while each block of weights passes over them
-# (measured with scripts/prefill-chunks in docs/engine.md).
+# reports progress and honours a stop, so a chunk bounds how long Stop waits; a chunk's
+# rows also stay in the core's cache while each block of weights passes over them.
 PREFILL_CHUNK = 128
 # The longest draft one verify may carry (`GenerationParams.max_draft_length`): the
 # self-check compares a verify at least MAX_DRAFT_LENGTH + 1 rows wide with plain steps,
