@@ -30,6 +30,7 @@ from .conversations import DATA_DIR_ENV, StoredMessage
 
 TIMEOUT_S = 600  # loading, a first kernel compile and one answer, on a slow machine
 PLATFORM_ENV = "QT_QPA_PLATFORM"
+FIRST_CHARS = 60  # of the answer, in the one line printed
 
 
 def use_offscreen_platform() -> None:
@@ -84,7 +85,8 @@ class SmokeTest(QObject):
             return
         info = self._info
         where = f"{info.description}, draft {info.draft_name}" if info else "no model"
-        self._end(0, f"smoke test ok: first tokens {message.content!r} ({where})", sys.stdout)
+        first = message.content[:FIRST_CHARS]
+        self._end(0, f"smoke test ok: first tokens {first!r} ({where})", sys.stdout)
 
     def _fail(self, reason: str) -> None:
         self._end(1, f"smoke test failed: {' '.join(reason.split())}", sys.stderr)
