@@ -33,7 +33,7 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 
 # The standalone one-folder app, dist/specdec-chat/ (packaging/README.md). Rebuilt when a
-# source it carries changes; PYTHONHASHSEED fixed so that two builds of one tree match.
+# source it carries changes. A fixed PYTHONHASHSEED is PyInstaller's advice for repeatable builds.
 BUNDLE := dist/specdec-chat/specdec-chat
 BUNDLE_STAMP := $(VENV)/.bundle-installed
 BUNDLE_INPUTS := packaging/specdec.spec packaging/launcher.py $(wildcard app/*.py specdec_core/*.py specdec_core/*.[ch] specdec_core/bench/*.py resources/*)
