@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint venv clean
+.PHONY: run test lint venv bundle clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,5 +32,22 @@ lint: $(STAMP)
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/mypy
 
+# The standalone one-folder app, dist/specdec-chat/ (packaging/README.md). Rebuilt when a
+# source it carries changes. A fixed PYTHONHASHSEED is PyInstaller's advice for repeatable builds.
+BUNDLE := dist/specdec-chat/specdec-chat
+BUNDLE_STAMP := $(VENV)/.bundle-installed
+BUNDLE_INPUTS := packaging/specdec.spec packaging/launcher.py $(wildcard app/*.py specdec_core/*.py specdec_core/*.[ch] specdec_core/bench/*.py resources/*)
+
+$(BUNDLE_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e ".[bundle]"
+	touch $(BUNDLE_STAMP)
+
+$(BUNDLE): $(BUNDLE_STAMP) $(BUNDLE_INPUTS)
+	PYTHONHASHSEED=0 $(VENV)/bin/pyinstaller --noconfirm --clean --log-level WARN \
+		--distpath dist --workpath build/pyinstaller packaging/specdec.spec
+	touch $(BUNDLE)
+
+bundle: $(BUNDLE)
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build dist *.egg-info

@@ -17,6 +17,14 @@ def add_chat_options(parser: argparse.ArgumentParser) -> None:
     # used model (settings) and then to the catalog's default pair.
     parser.set_defaults(target=None, draft=None, device=None, precision=None)
     parser.add_argument("--theme", choices=THEMES, default=None, help="colour theme (default: the system's)")
+    parser.add_argument(
+        "--smoke-test",
+        metavar="PROMPT",
+        default=None,
+        help="check that the app works, with no display needed: open the window offscreen (unless "
+        "QT_QPA_PLATFORM says otherwise), load the models, send PROMPT, stop after the first tokens, "
+        "print one line and exit 0, or 1 with the error; conversations and settings are left as they were",
+    )
 
 
 def chat_parser() -> argparse.ArgumentParser:

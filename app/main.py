@@ -1,5 +1,7 @@
 """Entry points: `specdec-chat` (gui-script), `specdec chat`, and the test seam.
 
+`--smoke-test PROMPT` runs the window once, offscreen, and exits (smoke.py).
+
 `build_main_window(argv)` builds the window from the same arguments as
 `specdec chat` and starts loading the models in the worker, without entering
 the event loop, so tests drive the real window with pytest-qt.
@@ -59,6 +61,8 @@ def build_main_window(argv: list[str]) -> QMainWindow:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="specdec: %(message)s")
+    if getattr(args, "smoke_test", None) is not None:
+        return _smoke_test(args)
     # Qt aborts the process when the xcb plugin cannot load: say what to install instead.
     hint = qt_platform.check_xcb()
     if hint is not None:
@@ -72,6 +76,21 @@ def run(args: argparse.Namespace) -> int:
 
     EngineThread.wait_all()  # a load cancelled at close may still be ending its chunk
     return code
+
+
+def _smoke_test(args: argparse.Namespace) -> int:
+    """`--smoke-test PROMPT` (smoke.py): the window answers once, offscreen, in a scratch data folder."""
+    from .smoke import SmokeTest, scratch_data_dir, use_offscreen_platform
+    from .worker import EngineThread
+
+    use_offscreen_platform()
+    with scratch_data_dir():
+        app = _application()
+        smoke = SmokeTest(window_from_args(args), args.smoke_test)
+        smoke.window.show()
+        app.exec()
+        EngineThread.wait_all()
+    return 1 if smoke.code is None else smoke.code
 
 
 def main() -> int:
