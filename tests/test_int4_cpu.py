@@ -179,6 +179,7 @@ def test_stacking_whole_blocks_gives_the_bytes_of_packing_the_rows_together() ->
     assert torch.equal(ragged.packed, int4_cpu.pack_weight(torch.cat([weights[48:], weights[:32]])))
 
 
+@needs_kernel
 def test_the_head_takes_6_bits_and_linears_without_whole_groups_stay_int8(tokenizer) -> None:
     model = tiny_model(len(tokenizer), hidden=64)
     model.model.layers[0].mlp.down_proj = torch.nn.Linear(40, 64)  # 40 inputs: not whole groups of 32
