@@ -223,6 +223,15 @@ def test_int4_on_a_gpu_is_refused_in_one_line() -> None:
         resolve_precision("int4", "cuda", 10**9)
 
 
+@pytest.mark.parametrize(("build", "auto"), [("avx512-vnni", "int4"), ("avx2", "int4"), ("scalar", "not int4")])
+def test_auto_takes_int4_only_where_the_kernel_has_vectors(monkeypatch, build, auto) -> None:
+    monkeypatch.setattr(native, "unavailable", lambda: None)
+    monkeypatch.setattr(native, "isa", lambda: build)
+    chosen = resolve_precision("auto", "cpu", 10**9)
+    assert chosen == auto if auto == "int4" else chosen in ("int8", "bf16")  # int8 where torch has it
+    assert resolve_precision("int4", "cpu", 10**9) == "int4"  # asked for, the plain-C build runs it
+
+
 @needs_kernel
 def test_a_drafts_head_takes_4_bits_and_still_ranks_tokens_like_the_6_bit_head(tokenizer) -> None:
     model = tiny_model(len(tokenizer), hidden=64)
