@@ -6,8 +6,15 @@ PY := $(VENV)/bin/python
 #   make TORCH_SPEC="torch" run     (or install CUDA torch into .venv yourself first)
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
+# The tests that depend on the C kernels' build or the CPU's features, which test-isas runs
+# again under each other build this CPU can run (SPECDEC_ISA) and with no C compiler on PATH.
+# Left out there: the comparison of all builds (it builds them all itself) and the helper's
+# stress test (the same C in every build), which the main run keeps.
+KERNEL_TESTS := tests/test_native.py tests/test_int4_cpu.py tests/test_layers_cpu.py tests/test_helper_cpu.py \
+	tests/test_draft_bulk.py
+KERNEL_TESTS_ONCE := -k "not every_build_this_cpu_runs and not back_to_back_ops"
 
-.PHONY: run test lint venv bundle clean
+.PHONY: run test test-isas lint venv bundle clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,6 +33,19 @@ test: $(STAMP)
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/mypy
 	QT_QPA_PLATFORM=offscreen $(PY) -m pytest -q -p no:cacheprovider
+	$(MAKE) test-isas
+
+# The best build ran above (SPECDEC_ISA unset); here the others, then none.
+test-isas: $(STAMP)
+	set -- $$($(PY) -m specdec_core.cpu --runnable-isas); shift; \
+	for isa in "$$@"; do \
+		echo "SPECDEC_ISA=$$isa"; \
+		SPECDEC_ISA=$$isa QT_QPA_PLATFORM=offscreen $(PY) -m pytest -q -p no:cacheprovider $(KERNEL_TESTS_ONCE) \
+			$(KERNEL_TESTS) || exit 1; \
+	done
+	@echo "no C compiler on PATH"
+	PATH="$$($(PY) scripts/path-without-cc build/no-cc)" env -u CC QT_QPA_PLATFORM=offscreen \
+		$(PY) -m pytest -q -p no:cacheprovider $(KERNEL_TESTS_ONCE) $(KERNEL_TESTS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check specdec_core app tests

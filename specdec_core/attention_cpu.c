@@ -43,8 +43,8 @@ static inline v16f lane_sums16(const v16f v[16]) {
 /* Pairs computed together, and keys (or value chunks) per step: RUN x STEP accumulators and
  * STEP vectors of keys (or values) in registers, so each load serves RUN pairs. AVX2 has
  * half the registers, each vector a pair of them: 2 x 2 there (4 x 4 spilled, and a decode
- * step of the 1.5B at 2,000 keys took 1.33x the time of unblocked pairs). */
-#ifdef __AVX512F__
+ * step of the 1.5B at 2,000 keys took 1.33x the time of unblocked pairs); plain C the same. */
+#ifdef V16_AVX512
 #define RUN 4
 #define STEP 4
 #else

@@ -28,17 +28,59 @@
  * claims with a compare-and-swap, which succeeds only if the word did not change, so
  * a claimed chunk's arguments are that op's.
  */
-#include <immintrin.h>
-#include <linux/futex.h>
 #include <pthread.h>
 #include <sched.h>
 #include <signal.h>
 #include <stdint.h>
-#include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
 
 #include "helper_cpu.h"
+
+/* A spin loop's pause, where the CPU has one. */
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define CPU_RELAX() _mm_pause()
+#elif defined(__aarch64__) || defined(__arm__)
+#define CPU_RELAX() __asm__ __volatile__("yield")
+#else
+#define CPU_RELAX() ((void)0)
+#endif
+
+/* Waiting on the wake word: a futex on Linux; elsewhere (macOS) a mutex and condition
+ * variable, the waker taking the mutex so that no waiter misses a bump. SPECDEC_NO_FUTEX
+ * builds the second on Linux too, to test it. */
+#if defined(__linux__) && !defined(SPECDEC_NO_FUTEX)
+#include <linux/futex.h>
+#include <sys/syscall.h>
+
+static void wait_word(uint32_t *word, uint32_t seen) {
+    syscall(SYS_futex, word, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
+}
+static void wake_word(uint32_t *word, int count) {
+    syscall(SYS_futex, word, FUTEX_WAKE_PRIVATE, count, NULL, NULL, 0);
+}
+static void reset_word_lock(void) {}
+#else
+static pthread_mutex_t word_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t word_changed = PTHREAD_COND_INITIALIZER;
+
+static void wait_word(uint32_t *word, uint32_t seen) {
+    pthread_mutex_lock(&word_lock);
+    if (__atomic_load_n(word, __ATOMIC_SEQ_CST) == seen) pthread_cond_wait(&word_changed, &word_lock);
+    pthread_mutex_unlock(&word_lock);
+}
+static void wake_word(uint32_t *word, int count) {
+    (void)word, (void)count;
+    pthread_mutex_lock(&word_lock);
+    pthread_cond_broadcast(&word_changed);
+    pthread_mutex_unlock(&word_lock);
+}
+static void reset_word_lock(void) {
+    pthread_mutex_init(&word_lock, NULL);
+    pthread_cond_init(&word_changed, NULL);
+}
+#endif
 
 /* The helper goes to sleep as soon as it finds no op, after this many pauses: spinning for
  * the next op (for 200 us) ran it beside the caller through the work between ops (attention,
@@ -60,16 +102,12 @@ static struct {
     uint64_t claim;                     /* op << 32 | next chunk from the bottom << 16 | end of those left */
     uint64_t words[1 + HELPER_WORDS];   /* the work, then its arguments */
     uint64_t done[HELPER_CHUNKS];       /* DONE(op, helper): who staged the chunk, for which op */
-    uint32_t wake;                      /* futex word, bumped for every op */
+    uint32_t wake;                      /* the wake word (wait_word), bumped for every op */
     int sleeping, holding;              /* helpers asleep; helpers inside a claim or about to claim */
     uint32_t op;                        /* the caller's count of ops */
     uint64_t merged, recomputed;        /* the helpers' chunks: taken from staging, or done again */
     int lag_every;                      /* tests: every this many claims, a helper is late (helper_lag) */
 } helper = {.owner = PTHREAD_MUTEX_INITIALIZER, .once = PTHREAD_ONCE_INIT};
-
-static long futex(uint32_t *word, int op, uint32_t value) {
-    return syscall(SYS_futex, word, op, value, NULL, NULL, 0);
-}
 
 /* The wake count once it differs from `seen`: a few pauses (helpers asked for only), then
  * asleep. Each op wakes as many sleepers as helpers are asked for; any woken one helps. */
@@ -78,10 +116,10 @@ static uint32_t wait_for_op(int index, uint32_t seen) {
     for (int i = 0; i < spins; i++) {
         uint32_t current = __atomic_load_n(&helper.wake, __ATOMIC_ACQUIRE);
         if (current != seen) return current;
-        _mm_pause();
+        CPU_RELAX();
     }
     __atomic_add_fetch(&helper.sleeping, 1, __ATOMIC_SEQ_CST);
-    while (__atomic_load_n(&helper.wake, __ATOMIC_SEQ_CST) == seen) futex(&helper.wake, FUTEX_WAIT_PRIVATE, seen);
+    while (__atomic_load_n(&helper.wake, __ATOMIC_SEQ_CST) == seen) wait_word(&helper.wake, seen);
     __atomic_sub_fetch(&helper.sleeping, 1, __ATOMIC_RELAXED);
     return __atomic_load_n(&helper.wake, __ATOMIC_ACQUIRE);
 }
@@ -129,6 +167,7 @@ static void forget_helpers(void) {
     helper.sleeping = 0;
     helper.holding = 0;
     pthread_mutex_init(&helper.owner, NULL);
+    reset_word_lock();
 }
 
 static void register_fork_handler(void) {
@@ -183,7 +222,7 @@ void helper_share(const helper_work *work, const uint64_t *args, int64_t chunks)
     __atomic_store_n(&helper.claim, CLAIM(op, 0, chunks), __ATOMIC_RELEASE);
     __atomic_add_fetch(&helper.wake, 1, __ATOMIC_SEQ_CST);
     if (__atomic_load_n(&helper.sleeping, __ATOMIC_SEQ_CST))
-        futex(&helper.wake, FUTEX_WAKE_PRIVATE, (uint32_t)__atomic_load_n(&helper.enabled, __ATOMIC_RELAXED));
+        wake_word(&helper.wake, __atomic_load_n(&helper.enabled, __ATOMIC_RELAXED));
     uint64_t claim = __atomic_load_n(&helper.claim, __ATOMIC_ACQUIRE);
     while (LOW(claim) < HIGH(claim)) {
         if (__atomic_compare_exchange_n(&helper.claim, &claim, claim + (1u << 16), 0, __ATOMIC_SEQ_CST,
@@ -223,7 +262,7 @@ void helper_lag(int every) {
 void helper_settle(void) {
     for (int i = 0; __atomic_load_n(&helper.holding, __ATOMIC_SEQ_CST); i++) {
         if (i < 4096)
-            _mm_pause();
+            CPU_RELAX();
         else
             sched_yield();
     }

@@ -1,5 +1,5 @@
-/* 4-bit (or 6-bit) weights x 8-bit activations on AVX-512 VNNI or AVX2, the same numbers
- * for any row count and on either.
+/* 4-bit (or 6-bit) weights x 8-bit activations on AVX-512 VNNI, AVX2 or plain C, the same
+ * numbers for any row count and on each.
  *
  * Weights: asymmetric, one fp16 scale and one fp16 minimum per 32 inputs of each output
  * channel (w = scale * q + min, q in 0..15, or 0..63 at 6 bits). Activations: symmetric
@@ -7,7 +7,7 @@
  *
  *     a * (scale * sum(q * xq) + min * sum(xq))
  *
- * with the integer sum exact (vpdpbusd, or vpmaddubsw and vpmaddwd on AVX2), so every (row, channel) result depends only on
+ * with the integer sum exact (vpdpbusd, vpmaddubsw and vpmaddwd on AVX2, or int32 in C), so every (row, channel) result depends only on
  * that row and that channel: not on how many rows are multiplied together, nor on which
  * thread computes it. That is what keeps speculative decoding exact (int4_cpu.py).
  *
@@ -17,10 +17,9 @@
  * at 6 bits, two 64-byte vectors of the top 2 bits (unpack_group); then the 16
  * channels' fp16 scales and their 16 fp16 minimums.
  */
-#include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
-
 #include <string.h>
 
 #include "helper_cpu.h"
@@ -29,7 +28,7 @@
 #define GROUP 32
 #define LANES 16
 /* Rows multiplied per pass over a block's weights: as many as the registers hold. */
-#ifdef __AVX512F__
+#ifdef V16_AVX512
 #define TILE 8
 #else
 #define TILE 4
@@ -71,9 +70,8 @@ static void quantize_row(const float *x, int64_t k, int8_t *q, float *scale, flo
         v16f m = v16_max_ps(v16_abs_ps(hi), v16_max_ps(v16_abs_ps(lo), v16_setzero_ps()));
         float a = v16_mask_reduce_max_ps((v16mask)0xFFFF, m) / 127.0f;
         float steps[GROUP];
-        const int rounding = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-        v16_storeu_ps(steps, v16_roundscale_ps(v16_div_ps(lo, v16_set1_ps(a)), rounding));
-        v16_storeu_ps(steps + 16, v16_roundscale_ps(v16_div_ps(hi, v16_set1_ps(a)), rounding));
+        v16_storeu_ps(steps, v16_round_ps(v16_div_ps(lo, v16_set1_ps(a))));
+        v16_storeu_ps(steps + 16, v16_round_ps(v16_div_ps(hi, v16_set1_ps(a))));
         int sum = 0;
         for (int i = 0; i < GROUP; i++) {
             int v = a > 0.0f ? (int)steps[i] : 0;
@@ -85,7 +83,7 @@ static void quantize_row(const float *x, int64_t k, int8_t *q, float *scale, flo
     }
 }
 
-#ifdef __AVX512F__
+#ifdef V16_AVX512
 /* acc + the bytes of w times x broadcast to every lane (vpdpbusd). GCC 12 loads the broadcast
  * into a register first (vpbroadcastd), one more instruction per product; the memory form
  * {1to16} folds it into the vpdpbusd's own load. */
@@ -178,7 +176,7 @@ static inline __attribute__((always_inline)) void block_tile(
     for (int r = 0; r < rows; r++) _mm512_mask_storeu_ps(y + r * n_out + col, mask, acc[r]);
 }
 
-#else
+#elif defined(V16_AVX2)
 /* AVX2. A block is two halves of 8 channels (bytes 32h..32h+31 of each 64-byte vector and
  * the half's scales), each taken over all the groups, so that a half's weights and its rows'
  * sums and accumulators fit in AVX2's 16 registers; the second half's bytes are still in
@@ -247,6 +245,58 @@ static inline __attribute__((always_inline)) void block_tile(
     int64_t k, int rows, int bits, const float *bias, float *y, int64_t n_out, int64_t col) {
     half_tile(w, groups, q, scale, scaled_sum, k, rows, bits, bias, y, n_out, col, 0);
     half_tile(w, groups, q, scale, scaled_sum, k, rows, bits, bias, y, n_out, col, 1);
+}
+
+#else
+/* Plain C, a value at a time. Each channel's integer sum is exact, as vpdpbusd's, and the
+ * float operations after it are the vector builds', lane for lane (fmaf where they fuse):
+ * the same numbers. */
+
+/* A group's q values for its 16 channels: q[c][j] for input j, unpack_group's values in
+ * the inputs' order (vector m holds inputs 4m .. 4m + 3). In int16, as the activations:
+ * loops of int16 products summed in int32 are what compilers vectorize. */
+static void unpack_values(const uint8_t *blk, int bits, int16_t q[LANES][GROUP]) {
+    for (int t = 0; t < 4; t++)
+        for (int c = 0; c < LANES; c++)
+            for (int i = 0; i < 4; i++) {
+                uint8_t byte = blk[64 * t + 4 * c + i];
+                q[c][8 * t + i] = byte & 0x0F;
+                q[c][8 * t + 4 + i] = byte >> 4;
+            }
+    if (bits != 6) return;
+    for (int m = 0; m < 8; m++)
+        for (int c = 0; c < LANES; c++)
+            for (int i = 0; i < 4; i++)
+                q[c][4 * m + i] |= (int16_t)(((blk[256 + 64 * (m / 4) + 4 * c + i] >> (2 * (m % 4))) & 3) << 4);
+}
+
+static float from_half(uint16_t half);
+
+static void block_tile(const uint8_t *w, int64_t groups, const int8_t *q, const float *scale,
+                       const float *scaled_sum, int64_t k, int rows, int bits, const float *bias, float *y,
+                       int64_t n_out, int64_t col) {
+    float acc[TILE][LANES] = {{0}};
+    const int64_t block_bytes = BLOCK_BYTES(bits);
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *blk = w + g * block_bytes;
+        const uint16_t *scales = (const uint16_t *)(blk + block_bytes - SCALE_BYTES);
+        int16_t wq[LANES][GROUP]; /* channel c, input j */
+        unpack_values(blk, bits, wq);
+        for (int r = 0; r < rows; r++) {
+            int16_t xq[GROUP];
+            for (int j = 0; j < GROUP; j++) xq[j] = q[r * k + g * GROUP + j];
+            for (int c = 0; c < LANES; c++) {
+                int32_t sum = 0;
+                for (int j = 0; j < GROUP; j++) sum += (int32_t)wq[c][j] * xq[j];
+                float f = (float)sum * from_half(scales[c]);
+                acc[r][c] = fmaf(f, scale[r * groups + g], acc[r][c]);
+                acc[r][c] = fmaf(from_half(scales[LANES + c]), scaled_sum[r * groups + g], acc[r][c]);
+            }
+        }
+    }
+    int64_t valid = n_out - col < LANES ? n_out - col : LANES;
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < valid; c++) y[r * n_out + col + c] = bias ? acc[r][c] + bias[col + c] : acc[r][c];
 }
 #endif
 
@@ -434,6 +484,93 @@ int int4_linear(const uint8_t *w, int64_t n_out, int64_t k, const float *x, int6
     return 0;
 }
 
+#ifdef V16_SCALAR
+/* fp16 bits as fp32: exact. */
+static float from_half(uint16_t half) {
+    uint32_t sign = (uint32_t)(half & 0x8000) << 16, exponent = (half >> 10) & 0x1F, fraction = half & 0x3FF, bits;
+    if (exponent == 0x1F)
+        bits = sign | 0x7F800000 | fraction << 13;
+    else if (exponent)
+        bits = sign | (exponent + 112) << 23 | fraction << 13;
+    else { /* zero or subnormal: fraction x 2^-24, exact in fp32 */
+        float value = (float)fraction * 0x1p-24f;
+        memcpy(&bits, &value, sizeof bits);
+        bits |= sign;
+    }
+    float x;
+    memcpy(&x, &bits, sizeof x);
+    return x;
+}
+
+/* fp32 as fp16 bits, rounding to nearest even (as vcvtps2ph and torch's .half()). */
+static uint16_t half_bits(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    uint16_t sign = (uint16_t)(bits >> 16 & 0x8000);
+    uint32_t magnitude = bits & 0x7FFFFFFF;
+    if (magnitude > 0x7F800000) return sign | 0x7E00 | (uint16_t)(magnitude >> 13 & 0x3FF); /* NaN, quiet */
+    if (magnitude >= 0x477FF000) return sign | 0x7C00; /* 65520 and up round to infinity */
+    uint32_t kept, rest, halfway;
+    if (magnitude >= 0x38800000) { /* normal: 2^-14 and up */
+        kept = (magnitude >> 13) - (112u << 10), rest = magnitude & 0x1FFF, halfway = 0x1000;
+    } else { /* subnormal: units of 2^-24, the significand (implicit bit too) shifted right */
+        int shift = 126 - (int)(magnitude >> 23);
+        if (shift > 24) return sign; /* below 2^-25: zero */
+        uint32_t significand = (magnitude & 0x7FFFFF) | 0x800000;
+        kept = significand >> shift, rest = significand & ((1u << shift) - 1), halfway = 1u << (shift - 1);
+    }
+    if (rest > halfway || (rest == halfway && (kept & 1))) kept++; /* a carry moves into the exponent, rightly */
+    return sign | (uint16_t)kept;
+}
+
+/* fp32 -> fp16 -> fp32, rounding to nearest even as torch's .half() does. */
+static inline float to_half(float x, uint16_t *bits) {
+    *bits = half_bits(x);
+    return from_half(*bits);
+}
+
+/* minps and maxps on one value: the second operand where either is NaN or both are zero. */
+static inline float min1(float a, float b) { return a < b ? a : b; }
+static inline float max1(float a, float b) { return a > b ? a : b; }
+
+/* The smallest and largest of 8 lanes, in the vector builds' order (lanes_min below). */
+static float lanes_min8(const float v[8]) {
+    float m[4];
+    for (int i = 0; i < 4; i++) m[i] = min1(v[i], v[4 + i]);
+    return min1(min1(m[0], m[2]), min1(m[1], m[3]));
+}
+static float lanes_max8(const float v[8]) {
+    float m[4];
+    for (int i = 0; i < 4; i++) m[i] = max1(v[i], v[4 + i]);
+    return max1(max1(m[0], m[2]), max1(m[1], m[3]));
+}
+
+/* quantize_group below, a value at a time in its order. */
+static int quantize_group(const float *w, int top, uint8_t q[GROUP], uint16_t *scale, uint16_t *minimum) {
+    float lows[8], highs[8];
+    int unordered = 0;
+    for (int i = 0; i < 8; i++) {
+        lows[i] = min1(min1(w[i], w[8 + i]), min1(w[16 + i], w[24 + i]));
+        highs[i] = max1(max1(w[i], w[8 + i]), max1(w[16 + i], w[24 + i]));
+    }
+    for (int i = 0; i < GROUP; i++) unordered |= w[i] != w[i];
+    float lo = lanes_min8(lows), hi = lanes_max8(highs);
+    if (unordered || !(lo > -FITS_LIMIT && hi < FITS_LIMIT)) {
+        for (int i = 0; i < GROUP; i++) q[i] = 0;
+        return -1;
+    }
+    float low = to_half(lo, minimum);
+    float step = to_half((hi - low) / (float)top, scale);
+    for (int i = 0; i < GROUP; i++) {
+        float v = min1(max1(nearbyintf((w[i] - low) / step), 0.0f), (float)top);
+        q[i] = step > 0.0f ? (uint8_t)(int32_t)v : 0;
+    }
+    return 0;
+}
+
+#else
+static inline float from_half(uint16_t half) { return _cvtsh_ss(half); }
+
 /* fp32 -> fp16 -> fp32, rounding to nearest even as torch's .half() does. */
 static inline float to_half(float x, uint16_t *bits) {
     *bits = _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT);
@@ -479,6 +616,7 @@ static int quantize_group(const float *w, int top, uint8_t q[GROUP], uint16_t *s
     for (int i = 0; i < GROUP; i++) q[i] = step > 0.0f ? (uint8_t)values[i] : 0;
     return 0;
 }
+#endif
 
 /* The packed layout above from fp32 weights [n_out, k], as int4_cpu.pack(*quantize(w)) makes
  * it: `packed` holds ceil(n_out / 16) * (k / 32) * BLOCK_BYTES(bits) bytes, channels past n_out
@@ -529,7 +667,7 @@ int int4_unpack(const uint8_t *packed, int64_t n_out, int64_t k, int bits, float
             const uint8_t *blk = packed + (b * groups + g) * block_bytes;
             const uint16_t *scales = (const uint16_t *)(blk + block_bytes - SCALE_BYTES);
             for (int c = 0; c < LANES && b * LANES + c < n_out; c++) {
-                float step = _cvtsh_ss(scales[c]), low = _cvtsh_ss(scales[LANES + c]);
+                float step = from_half(scales[c]), low = from_half(scales[LANES + c]);
                 float *out = w + (b * LANES + c) * k + g * GROUP;
                 for (int t = 0; t < 4; t++) {
                     for (int i = 0; i < 4; i++) {

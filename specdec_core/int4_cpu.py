@@ -6,7 +6,7 @@ over the memory bandwidth: at int8 the 1.5B target reads ~1.55 GB a step, at 4 b
 row (a 9-token verify would cost several plain steps), so the target needs a kernel
 whose rows share one read of the weights and whose results do not depend on the rows.
 
-`int4_cpu.c` is that kernel (AVX-512 VNNI, or AVX2 with the same numbers): weights asymmetric per group of 32 inputs
+`int4_cpu.c` is that kernel (AVX-512 VNNI, AVX2 or plain C, the same numbers): weights asymmetric per group of 32 inputs
 with fp16 scale and minimum (5 bits a weight with the scales), activations int8 per
 group of 32 inputs of each row (like llama.cpp's q8_0). Each group's dot product is an
 exact integer sum, then the same few float operations in the same order for every row,
@@ -15,8 +15,8 @@ at any thread count (tests/test_int4_cpu.py; the load-time self-check measures i
 the loaded model).
 
 The kernel is compiled here once per machine and loaded with ctypes (native.py). No
-compiler, or a CPU without AVX2: `native.unavailable()` says why, and `int4` is
-refused in one line at load.
+compiler, or a failed compile: `native.unavailable()` says why, and `int4` is refused
+in one line at load.
 
 The target's LM head takes 6 bits in the same kernel and layout (two more vectors carry
 each weight's top 2 bits): it decides the argmax directly, and GGUF files keep it at 6

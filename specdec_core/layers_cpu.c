@@ -67,7 +67,7 @@ void silu_mul(const float *gate_up, float *out, int64_t rows, int64_t n, int thr
             v16mask mask = n - i >= 16 ? (v16mask)0xFFFF : (v16mask)((1u << (n - i)) - 1u);
             v16f g = v16_maskz_loadu_ps(mask, gate + i);
             v16f e = exp16(v16_sub_ps(zero, v16_abs_ps(g)));
-            v16mask negative = v16_cmp_ps_mask(g, zero, _CMP_LT_OQ);
+            v16mask negative = v16_cmplt_ps_mask(g, zero);
             v16f numerator = v16_mask_mul_ps(g, negative, g, e);
             v16f silu = v16_div_ps(numerator, v16_add_ps(one, e));
             v16_mask_storeu_ps(out + r * n + i, mask, v16_mul_ps(silu, v16_maskz_loadu_ps(mask, up + i)));

@@ -114,7 +114,8 @@ def resolve_precision(precision: str, device: str, parameters: int, *, offload: 
         return precision
     if device == "cpu":
         # 4 bits read ~0.6 of int8's bytes a step at the same perplexity (docs/performance.md).
-        if native.unavailable() is None:
+        # The scalar build does its dot products a value at a time: there int8 is the fast one.
+        if native.unavailable() is None and native.isa() != "scalar":
             return "int4"
         return "int8" if int8_available() else "bf16"
     half = "bf16" if torch.cuda.is_bf16_supported() else "fp16"

@@ -15,11 +15,14 @@ owned by the user, with the sha256 recorded when it was compiled (kernel_files.p
 The library links the OpenMP runtime torch already loaded, so the two share one
 thread pool.
 
-The kernels are written for 16-lane vectors (simd16.h). A CPU with AVX-512 VNNI gets
-them as AVX-512 instructions; one with AVX2, FMA and F16C (most desktop CPUs since
-2013-2015, Intel's recent consumer chips included) gets each vector as two 256-bit
-halves. Both builds compute the same numbers. No compiler, a failed compile or a CPU
-with neither: `unavailable()` says why in one line, `int4` is refused at load, and
+The kernels are written for 16-lane vectors (simd16.h), in one of three builds (`ISA_FLAGS`,
+best first; cpu.py says which this CPU can run). A CPU with AVX-512 VNNI gets them as
+AVX-512 instructions; one with AVX2, FMA and F16C (most desktop CPUs since 2013-2015,
+Intel's recent consumer chips included) gets each vector as two 256-bit halves; any other
+(older x86, ARM, macOS) gets plain C a lane at a time, compiled with no flag for the
+architecture. All three compute the same numbers. `SPECDEC_ISA=avx512|avx2|scalar` picks
+one (cpu.py). No compiler, a failed compile (Apple's clang has no OpenMP) or a build this
+CPU cannot run: `unavailable()` says why in one line, `int4` is refused at load, and
 attention takes transformers' own path row by row.
 """
 
@@ -32,20 +35,21 @@ import os
 import shutil
 from pathlib import Path
 
-from . import kernel_files
+from . import cpu, kernel_files
 from .cache import kernels_dir
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("int4_cpu.c", "helper_cpu.c", "attention_cpu.c", "layers_cpu.c"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("helper_cpu.h", "simd16.h", "simd_math.h"))
-# -ffp-contract=off: a multiply then an add round twice, as torch's separate ops do.
-COMMON_FLAGS = ("-O3", "-mf16c", "-mfma", "-ffp-contract=off", "-fopenmp", "-pthread", "-shared", "-fPIC")
-# The instruction sets, best first: the CPU flags each needs (as /proc/cpuinfo names
-# them) and the compiler flags that select it.
-ISAS = (
-    ("avx512-vnni", frozenset({"avx512f", "avx512bw", "avx512_vnni", "f16c", "fma"}),
-     ("-mavx512f", "-mavx512bw", "-mavx512vnni")),
-    ("avx2", frozenset({"avx2", "f16c", "fma"}), ("-mavx2",)),
-)
+# -ffp-contract=off: a multiply then an add round twice, as torch's separate ops do. Nothing
+# here names an architecture: the scalar build compiles with a plain `cc` anywhere.
+COMMON_FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-pthread", "-shared", "-fPIC")
+# The compiler flags of each build in cpu.ISAS; being in the flags, the build is in the cache
+# key. SPECDEC_SCALAR keeps the scalar build plain C where the compiler targets AVX2 by default.
+ISA_FLAGS = {
+    "avx512-vnni": ("-mavx512f", "-mavx512bw", "-mavx512vnni", "-mf16c", "-mfma"),
+    "avx2": ("-mavx2", "-mf16c", "-mfma"),
+    "scalar": ("-DSPECDEC_SCALAR",),
+}
 _INT4_ADVICE = "use --precision int8"
 
 
@@ -121,10 +125,10 @@ def library() -> ctypes.CDLL:
 def _load() -> ctypes.CDLL | KernelUnavailable:
     """The library, or why not: tried once per process (a failed compile is not retried per load)."""
     try:
-        flags = _isa_flags(_cpu_flags())
-        if flags is None:
-            raise KernelUnavailable(f"int4 needs a CPU with AVX2, FMA and F16C (or AVX-512 VNNI); {_INT4_ADVICE}")
-        lib = _open(flags)
+        chosen = choose_isa(cpu.cpuinfo(), cpu.machine())
+        if isinstance(chosen, str):
+            raise KernelUnavailable(f"{chosen}; {_INT4_ADVICE}")
+        lib = _open(ISA_FLAGS[chosen.name])
     except KernelUnavailable as exc:
         return exc
     pointer, size, c_int, c_float = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -178,39 +182,43 @@ def _open(isa_flags: tuple[str, ...]) -> ctypes.CDLL:
 
 
 def isa() -> str | None:
-    """The instruction set the kernels are built for on this CPU ("avx512-vnni", "avx2"), or None."""
-    best = _best_isa(_cpu_flags())
-    return best[0] if best else None
+    """The build of the kernels this process takes ("avx512-vnni", "avx2", "scalar"), or None
+    when SPECDEC_ISA asks for one this CPU cannot run."""
+    chosen = choose_isa(cpu.cpuinfo(), cpu.machine())
+    return None if isinstance(chosen, str) else chosen.name
 
 
-def _isa_flags(cpu: frozenset[str]) -> tuple[str, ...] | None:
-    """The compiler flags of the best instruction set the CPU has, or None when it has none."""
-    best = _best_isa(cpu)
-    return best[2] if best else None
-
-
-def _best_isa(cpu: frozenset[str]) -> tuple[str, frozenset[str], tuple[str, ...]] | None:
-    return next((entry for entry in ISAS if entry[1] <= cpu), None)
-
-
-def _cpuinfo() -> str:
-    """The kernel's description of the CPU (Linux); elsewhere empty."""
+def choose_isa(cpuinfo: str, machine: str) -> cpu.Isa | str:
+    """The build for a CPU described by `cpuinfo` (/proc/cpuinfo's text, empty where there is
+    none) on `machine` (platform.machine()): SPECDEC_ISA's if the CPU can run it, else the
+    best it can run; or, in one line, why SPECDEC_ISA's cannot run."""
     try:
-        return Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return ""
-
-
-def _cpu_flags() -> frozenset[str]:
-    """From the kernel's flags for the CPU (Linux); elsewhere none, and the kernels are not offered."""
-    lines = _cpuinfo().splitlines()
-    return frozenset(next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), []))
+        wanted = cpu.requested()
+    except cpu.UnknownIsa as exc:
+        return str(exc)
+    flags = cpu.listed_flags(cpuinfo)
+    runnable = cpu.runnable(flags or frozenset())
+    if wanted is None or wanted in runnable:
+        return wanted or runnable[0]
+    if flags is None:
+        return (f"{cpu.ISA_ENV}={wanted.name} asks for an x86 build, and this CPU ({machine}) lists no x86 "
+                f"extensions: only the scalar build runs here")
+    missing = ", ".join(sorted(wanted.needs - flags))
+    return f"{cpu.ISA_ENV}={wanted.name} asks for a build this CPU ({machine}) cannot run: it lacks {missing}"
 
 
 def _vendor_flags() -> tuple[str, ...]:
     """Tuning for the CPU's maker: Intel cores stream weights faster when prefetched into L2
     (int4_cpu.c, STREAM_HINT)."""
-    return ("-DSPECDEC_INTEL_PREFETCH",) if "GenuineIntel" in _cpuinfo() else ()
+    return ("-DSPECDEC_INTEL_PREFETCH",) if "GenuineIntel" in cpu.cpuinfo() else ()
+
+
+def _compile_failure(stderr: str) -> str:
+    """A failed compile in one line: the compiler's first line, and what it means where known."""
+    first = (stderr.strip().splitlines() or ["no message"])[0]
+    if "openmp" in stderr.lower():
+        return f"int4's kernel did not compile: the C compiler has no OpenMP, as Apple's clang ({first})"
+    return f"int4's kernel did not compile ({first})"
 
 
 def _build(isa_flags: tuple[str, ...]) -> Path:
@@ -240,8 +248,7 @@ def _compile(compiler: str, flags: tuple[str, ...], built: Path) -> None:
     try:
         done = kernel_files.run_compiler([compiler, *flags, *map(str, SOURCES), "-o", str(partial)])
         if done.returncode != 0:
-            first = (done.stderr.strip().splitlines() or ["no message"])[0]
-            raise KernelUnavailable(f"int4's kernel did not compile ({first}); {_INT4_ADVICE}")
+            raise KernelUnavailable(f"{_compile_failure(done.stderr)}; {_INT4_ADVICE}")
         kernel_files.install(partial, built)
     finally:
         partial.unlink(missing_ok=True)

@@ -32,6 +32,8 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from . import cpu
+
 KERNEL_ENV = "SPECDEC_INT8_KERNEL"  # "onednn" | "fbgemm"
 ONEDNN_ISA_ENV = "ONEDNN_MAX_CPU_ISA"  # oneDNN's own cap on the instructions it uses
 _ZERO_POINT = 128  # activations travel as q + 128 in uint8 (q in [-127, 127])
@@ -69,7 +71,7 @@ def kernel_name() -> str:
     """The kernel new int8 linears use in this process: oneDNN where it sums exactly."""
     if os.environ.get(KERNEL_ENV, "").strip().lower() == "fbgemm":
         return "fbgemm"
-    if onednn_available():
+    if onednn_available() and cpu.int8_sums_can_be_exact():
         # oneDNN reads its ISA cap once, at first use. With AMX, interleaved on a 2-core
         # VM (docs/performance.md), verifies and prefill got 20-45% cheaper but plain
         # decoding ran at 0.80x fbgemm, jumping between 63 and 170 ms a step; the AVX-512

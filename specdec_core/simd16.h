@@ -1,23 +1,41 @@
-/* 16-float vectors for the C kernels, on AVX-512 or on AVX2, with the same numbers on both.
+/* 16-float vectors for the C kernels, on AVX-512, on AVX2 or one lane at a time, with the
+ * same numbers on all three.
  *
  * attention_cpu.c and layers_cpu.c are written against 512-bit vectors of 16 floats. With
  * AVX-512 (VNNI) each v16_* name below is the AVX-512 intrinsic of the same suffix, so that
  * build is the intrinsics themselves. Without it (AVX2 with FMA and F16C: most desktop CPUs
  * of the last ten years) a vector is a pair of 256-bit halves and each operation is done on
- * both. Every lane gets the same IEEE operations in the same order either way, and the
- * reductions add in the order GCC's AVX-512 ones do, so a kernel's results are bitwise the
- * same on both builds (tests/test_native.py runs whichever this CPU takes).
+ * both. Anywhere else (a CPU without AVX2, ARM, or native.py's scalar build, which defines
+ * SPECDEC_SCALAR) a vector is 16 floats done one lane at a time in plain C, with fmaf where
+ * the others fuse. Every lane gets the same IEEE operations in the same order each way, and
+ * the reductions add in the order GCC's AVX-512 ones do, so a kernel's results are bitwise
+ * the same on all builds (tests/test_native.py runs each build this CPU can run).
  *
  * Masks stay 16-bit integers (bit i: lane i), as AVX-512 keeps them; AVX2 turns them into
- * lane masks where an operation needs one.
+ * lane masks where an operation needs one. One of V16_AVX512, V16_AVX2, V16_SCALAR is
+ * defined, for the kernels' own per-build code.
  */
 #ifndef SPECDEC_SIMD16_H
 #define SPECDEC_SIMD16_H
 
-#include <immintrin.h>
 #include <stdint.h>
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) && !defined(SPECDEC_SCALAR)
+#define V16_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(SPECDEC_SCALAR)
+#define V16_AVX2 1
+#else
+#define V16_SCALAR 1
+#endif
+
+#ifndef V16_SCALAR
+#include <immintrin.h>
+/* Round to the nearest integer, ties to even; a < b (ordered, quiet) as a mask. */
+#define v16_round_ps(a) v16_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define v16_cmplt_ps_mask(a, b) v16_cmp_ps_mask(a, b, _CMP_LT_OQ)
+#endif
+
+#ifdef V16_AVX512
 
 typedef __m512 v16f;
 typedef __mmask16 v16mask;
@@ -47,7 +65,7 @@ typedef __mmask16 v16mask;
 #define v16_reduce_add_ps _mm512_reduce_add_ps
 #define v16_mask_reduce_max_ps _mm512_mask_reduce_max_ps
 
-#else /* AVX2 + FMA + F16C */
+#elif defined(V16_AVX2) /* AVX2 + FMA + F16C */
 
 typedef struct {
     __m256 lo, hi;
@@ -134,5 +152,109 @@ V16_INLINE float v16_mask_reduce_max_ps(v16mask m, v16f v) {
     __m128 t8 = _mm_max_ps(t6, _mm_shuffle_ps(t6, t6, _MM_SHUFFLE(1, 0, 3, 2)));
     return _mm_cvtss_f32(_mm_max_ps(t8, _mm_shuffle_ps(t8, t8, _MM_SHUFFLE(0, 1, 0, 1))));
 }
+#else /* V16_SCALAR: one lane at a time */
+
+#include <math.h>
+#include <string.h>
+
+typedef struct {
+    float f[16];
+} v16f;
+typedef uint16_t v16mask;
+
+#define V16_INLINE static inline __attribute__((always_inline))
+#define V16_EACH(expression)                          \
+    do {                                              \
+        for (int i = 0; i < 16; i++) r.f[i] = (expression); \
+    } while (0)
+
+/* maxps's rule, which the reductions and the clamps keep: the second operand where either is
+ * NaN or both are zero. */
+V16_INLINE float v1_max(float a, float b) { return a > b ? a : b; }
+V16_INLINE v16f v16_setzero_ps(void) { return (v16f){{0}}; }
+V16_INLINE v16f v16_set1_ps(float x) { v16f r; V16_EACH(x); return r; }
+V16_INLINE v16f v16_loadu_ps(const float *p) { v16f r; memcpy(r.f, p, sizeof r.f); return r; }
+V16_INLINE void v16_storeu_ps(float *p, v16f v) { memcpy(p, v.f, sizeof v.f); }
+/* Lanes outside the mask are neither read nor written. */
+V16_INLINE v16f v16_maskz_loadu_ps(v16mask m, const float *p) { v16f r; V16_EACH(m >> i & 1 ? p[i] : 0.0f); return r; }
+V16_INLINE void v16_mask_storeu_ps(float *p, v16mask m, v16f v) {
+    for (int i = 0; i < 16; i++)
+        if (m >> i & 1) p[i] = v.f[i];
+}
+V16_INLINE v16f v16_add_ps(v16f a, v16f b) { v16f r; V16_EACH(a.f[i] + b.f[i]); return r; }
+V16_INLINE v16f v16_sub_ps(v16f a, v16f b) { v16f r; V16_EACH(a.f[i] - b.f[i]); return r; }
+V16_INLINE v16f v16_mul_ps(v16f a, v16f b) { v16f r; V16_EACH(a.f[i] * b.f[i]); return r; }
+V16_INLINE v16f v16_div_ps(v16f a, v16f b) { v16f r; V16_EACH(a.f[i] / b.f[i]); return r; }
+V16_INLINE v16f v16_max_ps(v16f a, v16f b) { v16f r; V16_EACH(v1_max(a.f[i], b.f[i])); return r; }
+V16_INLINE v16f v16_abs_ps(v16f a) { v16f r; V16_EACH(fabsf(a.f[i])); return r; }
+/* One rounding each, as the FMA instructions: -(a * b) + c is fmaf(-a, b, c). */
+V16_INLINE v16f v16_fmadd_ps(v16f a, v16f b, v16f c) { v16f r; V16_EACH(fmaf(a.f[i], b.f[i], c.f[i])); return r; }
+V16_INLINE v16f v16_fnmadd_ps(v16f a, v16f b, v16f c) { v16f r; V16_EACH(fmaf(-a.f[i], b.f[i], c.f[i])); return r; }
+V16_INLINE v16f v16_mask_add_ps(v16f src, v16mask m, v16f a, v16f b) {
+    v16f r;
+    V16_EACH(m >> i & 1 ? a.f[i] + b.f[i] : src.f[i]);
+    return r;
+}
+V16_INLINE v16f v16_mask_mul_ps(v16f src, v16mask m, v16f a, v16f b) {
+    v16f r;
+    V16_EACH(m >> i & 1 ? a.f[i] * b.f[i] : src.f[i]);
+    return r;
+}
+V16_INLINE v16mask v16_cmplt_ps_mask(v16f a, v16f b) {
+    v16mask m = 0;
+    for (int i = 0; i < 16; i++) m |= (v16mask)((a.f[i] < b.f[i]) << i);
+    return m;
+}
+/* nearbyintf rounds in the current mode: to nearest, ties to even, unless a caller changed it. */
+V16_INLINE v16f v16_round_ps(v16f a) { v16f r; V16_EACH(nearbyintf(a.f[i])); return r; }
+/* a * 2^n for integral n in -126..127 (exp16's range): as the AVX2 build, a multiply by the
+ * exact power of two. */
+V16_INLINE float v1_scalef(float a, float n) {
+    uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
+    float power;
+    memcpy(&power, &bits, sizeof power);
+    return a * power;
+}
+V16_INLINE v16f v16_scalef_ps(v16f a, v16f n) { v16f r; V16_EACH(v1_scalef(a.f[i], n.f[i])); return r; }
+/* Within each 128-bit lane (4 floats), as the AVX-512 instructions do. */
+V16_INLINE v16f v16_unpacklo_ps(v16f a, v16f b) {
+    v16f r;
+    V16_EACH((i & 1 ? b : a).f[(i & ~3) + (i & 3) / 2]);
+    return r;
+}
+V16_INLINE v16f v16_unpackhi_ps(v16f a, v16f b) {
+    v16f r;
+    V16_EACH((i & 1 ? b : a).f[(i & ~3) + 2 + (i & 3) / 2]);
+    return r;
+}
+V16_INLINE v16f v16_shuffle_ps(v16f a, v16f b, int imm) {
+    v16f r;
+    V16_EACH(((i & 3) < 2 ? a : b).f[(i & ~3) + (imm >> 2 * (i & 3) & 3)]);
+    return r;
+}
+/* 128-bit lanes: lanes 0, 1 of the result from a's lanes imm[1:0], imm[3:2], lanes 2, 3 from
+ * b's lanes imm[5:4], imm[7:6]. */
+V16_INLINE v16f v16_shuffle_f32x4(v16f a, v16f b, int imm) {
+    v16f r;
+    V16_EACH((i < 8 ? a : b).f[4 * (imm >> 2 * (i / 4) & 3) + (i & 3)]);
+    return r;
+}
+/* In GCC's order for _mm512_reduce_add_ps, as the AVX2 build: halves, then 128-bit halves,
+ * then pairs. */
+V16_INLINE float v16_reduce_add_ps(v16f v) {
+    float t3[8], t6[4];
+    for (int i = 0; i < 8; i++) t3[i] = v.f[8 + i] + v.f[i];
+    for (int i = 0; i < 4; i++) t6[i] = t3[4 + i] + t3[i];
+    return (t6[0] + t6[2]) + (t6[1] + t6[3]);
+}
+V16_INLINE float v16_mask_reduce_max_ps(v16mask m, v16f v) {
+    float t3[8], t6[4];
+    for (int i = 0; i < 16; i++)
+        if (!(m >> i & 1)) v.f[i] = -INFINITY;
+    for (int i = 0; i < 8; i++) t3[i] = v1_max(v.f[8 + i], v.f[i]);
+    for (int i = 0; i < 4; i++) t6[i] = v1_max(t3[4 + i], t3[i]);
+    return v1_max(v1_max(t6[0], t6[2]), v1_max(t6[1], t6[3]));
+}
+#undef V16_EACH
 #endif
 #endif

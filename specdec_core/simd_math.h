@@ -7,8 +7,7 @@
 /* e^x in each lane, x <= 0 (Cephes' expf polynomial, ~2 ulp); below -87 it is ~0. */
 static inline v16f exp16(v16f x) {
     x = v16_max_ps(x, v16_set1_ps(-87.0f));
-    v16f n = v16_roundscale_ps(v16_mul_ps(x, v16_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    v16f n = v16_round_ps(v16_mul_ps(x, v16_set1_ps(1.44269504088896341f)));
     v16f r = v16_fnmadd_ps(n, v16_set1_ps(0.693359375f), x);
     r = v16_fnmadd_ps(n, v16_set1_ps(-2.12194440e-4f), r);
     v16f p = v16_set1_ps(1.9875691500e-4f);

@@ -179,6 +179,7 @@ def test_stacking_whole_blocks_gives_the_bytes_of_packing_the_rows_together() ->
     assert torch.equal(ragged.packed, int4_cpu.pack_weight(torch.cat([weights[48:], weights[:32]])))
 
 
+@needs_kernel
 def test_the_head_takes_6_bits_and_linears_without_whole_groups_stay_int8(tokenizer) -> None:
     model = tiny_model(len(tokenizer), hidden=64)
     model.model.layers[0].mlp.down_proj = torch.nn.Linear(40, 64)  # 40 inputs: not whole groups of 32
@@ -220,6 +221,15 @@ def _logits_one_piece(model, ids: torch.Tensor) -> torch.Tensor:
 def test_int4_on_a_gpu_is_refused_in_one_line() -> None:
     with pytest.raises(ModelLoadError, match="CPU precision"):
         resolve_precision("int4", "cuda", 10**9)
+
+
+@pytest.mark.parametrize(("build", "auto"), [("avx512-vnni", "int4"), ("avx2", "int4"), ("scalar", "not int4")])
+def test_auto_takes_int4_only_where_the_kernel_has_vectors(monkeypatch, build, auto) -> None:
+    monkeypatch.setattr(native, "unavailable", lambda: None)
+    monkeypatch.setattr(native, "isa", lambda: build)
+    chosen = resolve_precision("auto", "cpu", 10**9)
+    assert chosen == auto if auto == "int4" else chosen in ("int8", "bf16")  # int8 where torch has it
+    assert resolve_precision("int4", "cpu", 10**9) == "int4"  # asked for, the plain-C build runs it
 
 
 @needs_kernel

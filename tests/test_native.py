@@ -4,17 +4,28 @@ row-wise attention that gives a row the same numbers in any batch."""
 from __future__ import annotations
 
 import ctypes
+from pathlib import Path
 
 import pytest
 import torch
 
-from specdec_core import attention_cpu, int4_cpu, native
+from specdec_core import attention_cpu, cpu, int4_cpu, native
 from specdec_core.batch_invariant import rowwise_attention
 from specdec_core.native import KernelUnavailable
 
 needs_kernel = pytest.mark.skipif(native.unavailable() is not None, reason=str(native.unavailable()))
-AVX2 = ("-mavx2",)
-AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512vnni")
+SCALAR = native.ISA_FLAGS["scalar"]
+ZEN3 = "vendor_id\t: AuthenticAMD\nflags\t\t: fpu sse2 avx avx2 fma f16c bmi2\n"
+XEON = "vendor_id\t: GenuineIntel\nflags\t\t: fpu sse2 avx avx2 fma f16c avx512f avx512bw avx512_vnni amx_int8\n"
+ARM = "processor\t: 0\nFeatures\t: fp asimd evtstrm aes crc32 asimddp\nCPU implementer\t: 0x41\n"
+
+
+def _failing_compiler(folder: Path) -> str:
+    """A compiler that runs, fails and says nothing."""
+    compiler = folder / "failing-cc"
+    compiler.write_text("#!/bin/sh\nexit 1\n")
+    compiler.chmod(0o755)
+    return str(compiler)
 
 
 def _attention_inputs(heads: int, kv_heads: int, dim: int, keys: int, rows: int, seed: int = 0):
@@ -75,7 +86,7 @@ def test_no_compiler_is_a_one_line_refusal(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     with pytest.raises(KernelUnavailable, match="could not be built") as caught:
-        native._build(AVX2)
+        native._build(SCALAR)
     assert "\n" not in str(caught.value)
     assert not list(tmp_path.rglob("*.so")) and not list(tmp_path.rglob("*.tmp"))
 
@@ -84,23 +95,24 @@ def test_a_cache_folder_that_cannot_be_written_is_a_one_line_refusal(monkeypatch
     blocker = tmp_path / "cache"
     blocker.write_text("a file where the cache folder should be")
     monkeypatch.setenv("SPECDEC_CACHE_DIR", str(blocker))
+    monkeypatch.setenv("CC", _failing_compiler(tmp_path))  # a compiler, wherever the suite runs
     with pytest.raises(KernelUnavailable, match="could not be built") as caught:
-        native._build(AVX2)
+        native._build(SCALAR)
     assert "\n" not in str(caught.value)
 
 
 def test_a_failed_compile_is_a_one_line_refusal_and_leaves_nothing(monkeypatch, tmp_path) -> None:
-    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv("CC", "false")  # runs, fails, says nothing
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", _failing_compiler(tmp_path))
     with pytest.raises(KernelUnavailable, match="did not compile"):
-        native._build(AVX2)
+        native._build(SCALAR)
     assert not list(tmp_path.rglob("*.so")) and not list(tmp_path.rglob("*.tmp"))
 
 
 @needs_kernel
 def test_a_damaged_compiled_kernel_is_compiled_again(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))
-    flags = native._isa_flags(native._cpu_flags()) or ()
+    flags = native.ISA_FLAGS[native.isa() or "scalar"]
     built = native._build(flags)
     built.write_bytes(b"not a shared library")
     lib = native._open(flags)
@@ -111,23 +123,74 @@ def test_a_damaged_compiled_kernel_is_compiled_again(monkeypatch, tmp_path) -> N
     )
 
 
-def test_the_best_instruction_set_the_cpu_has_is_chosen() -> None:
-    avx2 = frozenset({"avx", "avx2", "fma", "f16c"})
-    assert native._isa_flags(avx2) == AVX2
-    assert native._isa_flags(avx2 | {"avx512f", "avx512bw", "avx512_vnni"}) == AVX512
-    assert native._isa_flags(avx2 | {"avx512f", "avx512bw"}) == AVX2  # AVX-512 without VNNI
-    assert native._isa_flags(frozenset({"avx2", "fma"})) is None  # no F16C for the fp16 scales
-    assert native._isa_flags(frozenset({"sse4_2", "avx"})) is None
+def _chosen(cpuinfo: str, machine: str = "x86_64") -> str:
+    chosen = native.choose_isa(cpuinfo, machine)
+    return chosen if isinstance(chosen, str) else chosen.name
 
 
-def test_a_cpu_without_avx2_is_a_one_line_refusal(monkeypatch) -> None:
-    monkeypatch.setattr(native, "_cpu_flags", lambda: frozenset({"sse4_2", "avx"}))
+def test_the_best_build_the_cpu_can_run_is_chosen(monkeypatch) -> None:
+    monkeypatch.delenv(cpu.ISA_ENV, raising=False)
+    assert _chosen(ZEN3) == "avx2"
+    assert _chosen(XEON) == "avx512-vnni"
+    assert _chosen(ZEN3.replace("bmi2", "avx512f avx512bw")) == "avx2"  # AVX-512 without VNNI
+    assert _chosen(ZEN3.replace("f16c", "")) == "scalar"  # no F16C for the fp16 scales
+    assert _chosen("flags\t\t: fpu sse2 sse4_2 avx\n") == "scalar"
+    assert _chosen(ARM, "aarch64") == "scalar"  # ARM Linux lists Features, not flags
+    assert _chosen("", "arm64") == "scalar"  # macOS: no /proc/cpuinfo
+
+
+def test_specdec_isa_picks_any_build_the_cpu_can_run(monkeypatch) -> None:
+    for value, name in (("avx512", "avx512-vnni"), ("avx512-vnni", "avx512-vnni"), ("AVX2", "avx2"), ("scalar", "scalar")):
+        monkeypatch.setenv(cpu.ISA_ENV, value)
+        assert _chosen(XEON) == name
+    monkeypatch.setenv(cpu.ISA_ENV, "scalar")
+    assert _chosen(ARM, "aarch64") == "scalar"
+
+
+@pytest.mark.parametrize(
+    ("value", "cpuinfo", "machine", "says"),
+    [
+        ("avx512", ZEN3, "x86_64", "lacks avx512_vnni, avx512bw, avx512f"),
+        ("avx2", ARM, "aarch64", "this CPU (aarch64) lists no x86 extensions: only the scalar build runs here"),
+        ("avx2", "", "arm64", "this CPU (arm64) lists no x86 extensions"),
+        ("sse", XEON, "x86_64", "SPECDEC_ISA=sse names no build of the kernels: use avx512, avx2 or scalar"),
+    ],
+)
+def test_a_build_the_cpu_cannot_run_is_a_one_line_refusal(monkeypatch, value, cpuinfo, machine, says) -> None:
+    monkeypatch.setenv(cpu.ISA_ENV, value)
+    monkeypatch.setattr(cpu, "cpuinfo", lambda: cpuinfo)
+    monkeypatch.setattr(cpu, "machine", lambda: machine)
     native._load.cache_clear()
     try:
-        reason = native.unavailable()
+        reason, name = native.unavailable(), native.isa()
     finally:
         native._load.cache_clear()
-    assert reason is not None and "AVX2" in reason and "--precision int8" in reason and "\n" not in reason
+    assert reason is not None and says in reason and "--precision int8" in reason and "\n" not in reason
+    assert name is None
+
+
+def test_specdec_isa_hides_what_a_cpu_with_only_that_build_lacks(monkeypatch) -> None:
+    monkeypatch.setattr(cpu, "cpuinfo", lambda: XEON)
+    monkeypatch.delenv(cpu.ISA_ENV, raising=False)
+    assert cpu.int8_sums_can_be_exact()
+    assert [isa.name for isa in cpu.runnable()] == ["avx512-vnni", "avx2", "scalar"]
+    monkeypatch.setenv(cpu.ISA_ENV, "avx512")
+    assert cpu.features() == cpu.listed_flags(XEON) - {"amx_int8"}
+    for value in ("avx2", "scalar"):  # as on a Zen 3, or an older CPU: no VNNI, no AMX
+        monkeypatch.setenv(cpu.ISA_ENV, value)
+        assert not cpu.int8_sums_can_be_exact()
+        assert [isa.name for isa in cpu.runnable()] == ["avx512-vnni", "avx2", "scalar"]  # what can run stays
+    assert cpu.features() == {"fpu", "sse2"}
+    monkeypatch.setattr(cpu, "cpuinfo", lambda: ARM)
+    monkeypatch.delenv(cpu.ISA_ENV)
+    assert cpu.features() is None and cpu.int8_sums_can_be_exact()  # unknown: oneDNN's own check decides
+    assert [isa.name for isa in cpu.runnable()] == ["scalar"]
+
+
+def test_apple_clang_without_openmp_is_named_in_one_line() -> None:
+    message = native._compile_failure("clang: error: unsupported option '-fopenmp'\nmore\n")
+    assert "no OpenMP" in message and "-fopenmp" in message and "\n" not in message
+    assert native._compile_failure("") == "int4's kernel did not compile (no message)"
 
 
 def _run_kernels(lib) -> list[torch.Tensor]:
@@ -156,20 +219,41 @@ def _run_kernels(lib) -> list[torch.Tensor]:
     x = torch.randn(20, 100, generator=generator) * 5
     q, scale = torch.empty(20, 100, dtype=torch.uint8), torch.empty(20)
     lib.int8_quantize_rows(x.data_ptr(), 20, 100, q.data_ptr(), scale.data_ptr(), 2)
-    return [*outputs, normed, act, q, scale]
+    return [*outputs, normed, act, q, scale, *_run_packing(lib)]
 
 
-def test_the_avx2_and_avx512_builds_compute_the_same_numbers(monkeypatch, tmp_path) -> None:
-    if native._isa_flags(native._cpu_flags()) != AVX512:
-        pytest.skip("needs a CPU with AVX-512 VNNI to run both builds")
+def _run_packing(lib) -> list[torch.Tensor]:
+    """Packing in C groups whose minimum is each fp16 value below packing's limit, each midpoint
+    between two (ties round to even), their negatives, and fp16's subnormal steps (a constant
+    group's step); unpacking every fp16 scale there is."""
+    halves = torch.arange(0, 0x7800, dtype=torch.int16).view(torch.float16).float()  # 0 .. 32768
+    halves = halves[halves < 32752]
+    mids = (halves[:-1] + halves[1:]) / 2  # exact in fp32
+    values = torch.cat([halves, mids, -halves, -mids])
+    weight = values[:, None].repeat(1, int4_cpu.GROUP)
+    weight[::3, -1] += 0.37  # some groups with a real range
+    packed = torch.empty(-(-len(weight) // 16), 1, int4_cpu.block_bytes(4), dtype=torch.uint8)
+    assert lib.int4_pack(weight.data_ptr(), len(weight), int4_cpu.GROUP, 4, packed.data_ptr(), 2) == 0
+    every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.float16)[:, None]
+    scales = int4_cpu.pack(torch.ones(len(every), int4_cpu.GROUP, dtype=torch.uint8), every, torch.zeros_like(every), 4)
+    unpacked = torch.empty(len(every), int4_cpu.GROUP)
+    assert lib.int4_unpack(scales.data_ptr(), len(every), int4_cpu.GROUP, 4, unpacked.data_ptr(), 2) == 0
+    return [packed, unpacked]
+
+
+@needs_kernel
+def test_every_build_this_cpu_runs_computes_the_same_bits(monkeypatch, tmp_path) -> None:
+    builds = [isa.name for isa in cpu.runnable()]
+    if len(builds) < 2:
+        pytest.skip(f"this CPU runs only the {builds[0]} build")
     monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))
-    builds = []
-    for flags in (AVX512, AVX2):
+    outputs = []
+    for name in builds:
+        monkeypatch.setenv(cpu.ISA_ENV, name)
         native._load.cache_clear()
-        monkeypatch.setattr(native, "_cpu_flags", lambda flags=flags: frozenset(
-            {"avx2", "fma", "f16c", *(("avx512f", "avx512bw", "avx512_vnni") if flags == AVX512 else ())}
-        ))
-        builds.append(_run_kernels(native.library()))
+        outputs.append([out.contiguous().view(torch.uint8) for out in _run_kernels(native.library())])
     native._load.cache_clear()
-    for wide, narrow in zip(*builds, strict=True):
-        assert torch.equal(wide, narrow)
+    assert len(list(tmp_path.rglob("native-*.so"))) == len(builds)  # each build its own file
+    for name, other in zip(builds[1:], outputs[1:], strict=True):
+        for index, (first, this) in enumerate(zip(outputs[0], other, strict=True)):
+            assert torch.equal(first, this), (builds[0], name, index)

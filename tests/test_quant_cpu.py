@@ -8,10 +8,12 @@ import pytest
 import torch
 from tiny import hf_greedy
 
+from specdec_core import cpu
 from specdec_core.drafters import ModelDrafter, NgramDrafter
 from specdec_core.engine import GenerationParams, SpeculativeEngine
 from specdec_core.quant_cpu import (
     KERNEL_ENV,
+    ONEDNN_ISA_ENV,
     OnednnInt8,
     PerTokenInt8Linear,
     int8_available,
@@ -89,6 +91,14 @@ def test_int8_kernel_can_be_chosen_by_environment(monkeypatch):
     finally:
         monkeypatch.delenv(KERNEL_ENV)
         kernel_name.cache_clear()
+
+
+def test_a_cpu_without_vnni_or_amx_keeps_fbgemm(monkeypatch):
+    monkeypatch.setattr(cpu, "cpuinfo", lambda: "flags\t\t: avx2 fma f16c avx512f avx512_vnni amx_int8\n")
+    monkeypatch.setenv(cpu.ISA_ENV, "avx2")  # as on a Zen 3
+    monkeypatch.delenv(KERNEL_ENV, raising=False)
+    monkeypatch.delenv(ONEDNN_ISA_ENV, raising=False)
+    assert kernel_name.__wrapped__() == "fbgemm"
 
 
 @pytest.fixture(scope="module")
