@@ -32,6 +32,9 @@ from specdec_core.errors import Cancelled
 LOAD_TIMEOUT_MS = 120_000  # generous: a loaded 2-core CI machine imports and loads slowly
 ANSWER_TIMEOUT_MS = 120_000
 PROMPT = "def add(a, b):"
+# Wall-clock lateness of the UI heartbeat during an answer (see its test).
+MAX_LATE_P95_MS = 100.0
+MAX_LATE_MS = 300.0
 
 
 def _save(model, tokenizer, folder: Path) -> str:
@@ -328,18 +331,22 @@ def test_conversations_survive_a_restart(qtbot, open_window, models):
     assert again.conversation_list.count() == 0 and again.conversation.messages == []
 
 
-def test_ui_thread_heartbeat_is_never_late_during_a_generation(qtbot, open_window, models):
+def test_ui_thread_heartbeat_stays_on_time_in_wall_clock_during_an_answer(qtbot, open_window, models):
+    """What a user sees: a 20 ms timer on the UI thread arrives on time while a tiny model
+    streams hundreds of tokens a second (the most signals and redraws per second). Wall
+    clock, so time the UI thread waits for a core or for the GIL counts; the bounds leave
+    room for a loaded 2-core machine (scripts/ui-latency measures the same)."""
     window = open_window("--target", models["chatty"], "--draft", "ngram")
     window.worker.emit_interval_s = 0.03  # the real app's pace
     window.side.generation.max_new_tokens.setValue(300)
     interval_ms = 20
     clock = QElapsedTimer()
-    gaps: list[int] = []
-    last = [0]
+    late: list[float] = []
+    last = [0.0]
 
     def beat() -> None:
-        now = clock.elapsed()
-        gaps.append(now - last[0])
+        now = clock.nsecsElapsed() / 1e6
+        late.append(max(0.0, now - last[0] - interval_ms))
         last[0] = now
 
     timer = QTimer(window)
@@ -351,9 +358,14 @@ def test_ui_thread_heartbeat_is_never_late_during_a_generation(qtbot, open_windo
     started = time.perf_counter()
     message = _send(qtbot, window, PROMPT)
     timer.stop()
+    beat()  # the time since the last beat counts too: a flooded event loop may run no timer at all
     assert len(message.tokens) == 300
-    assert len(gaps) >= 5, f"generation too short to measure ({time.perf_counter() - started:.2f}s)"
-    assert max(gaps) - interval_ms <= 100, f"UI thread late by {max(gaps) - interval_ms} ms: {gaps}"
+    elapsed = time.perf_counter() - started
+    assert elapsed >= 5 * interval_ms / 1000, f"generation too short to measure ({elapsed:.2f}s)"
+    ordered = sorted(late)
+    p95 = ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]
+    assert p95 <= MAX_LATE_P95_MS, f"heartbeat p95 late by {p95:.0f} ms: {[round(x) for x in late]}"
+    assert ordered[-1] <= MAX_LATE_MS, f"heartbeat late by {ordered[-1]:.0f} ms: {[round(x) for x in late]}"
 
 
 def test_a_mistyped_last_conversation_is_a_message_and_the_app_still_starts(qtbot, open_window, models, tmp_path):
