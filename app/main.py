@@ -13,6 +13,7 @@ import argparse
 import logging
 import sys
 
+from PySide6.QtCore import QEventLoop
 from PySide6.QtWidgets import QApplication, QMainWindow
 
 from . import gc_guard, qt_platform
@@ -85,10 +86,12 @@ def _smoke_test(args: argparse.Namespace) -> int:
 
     use_offscreen_platform()
     with scratch_data_dir():
-        app = _application()
-        smoke = SmokeTest(window_from_args(args), args.smoke_test)
+        _application()
+        loop = QEventLoop()
+        smoke = SmokeTest(window_from_args(args), args.smoke_test, loop.quit)
         smoke.window.show()
-        app.exec()
+        if smoke.code is None:  # a failure while the window was built has ended the run already
+            loop.exec()
         EngineThread.wait_all()
     return 1 if smoke.code is None else smoke.code
 

@@ -18,11 +18,11 @@ import contextlib
 import os
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TextIO
 
 from PySide6.QtCore import QObject, QTimer
-from PySide6.QtWidgets import QApplication, QMainWindow
+from PySide6.QtWidgets import QMainWindow
 
 from specdec_core import SessionInfo
 
@@ -54,12 +54,17 @@ def scratch_data_dir() -> Iterator[None]:
 
 
 class SmokeTest(QObject):
-    """Sends `prompt` once the models are ready, stops after the first tokens, and quits."""
+    """Sends `prompt` once the models are ready, stops after the first tokens, and calls `done`.
 
-    def __init__(self, window: QMainWindow, prompt: str) -> None:
+    `done` ends the caller's own event loop, not the application's: quitting the application
+    would leave it closing, and every event loop started in the process after that (a
+    second window's, a test's) would return at once."""
+
+    def __init__(self, window: QMainWindow, prompt: str, done: Callable[[], None]) -> None:
         super().__init__(window)
         self.window = window
         self.prompt = prompt
+        self._done = done
         self.code: int | None = None  # the exit status, once decided
         self._info: SessionInfo | None = None
         window.modelReady.connect(self._on_ready)
@@ -97,4 +102,4 @@ class SmokeTest(QObject):
         self.code = code
         print(line, file=stream, flush=True)
         self.window.close()  # stops the engine thread and saves, as a user's close does
-        QApplication.quit()
+        self._done()

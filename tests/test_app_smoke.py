@@ -45,3 +45,4 @@ def test_a_smoke_run_that_cannot_load_says_why_in_one_line_and_exits_one(qapp, t
     assert captured.out == ""
     expected = f"smoke test failed: model not found: {missing} (no such file or folder)"
     assert captured.err.strip().splitlines()[-1:] == [expected]
+
