@@ -42,8 +42,9 @@ static inline v16f lane_sums16(const v16f v[16]) {
 
 /* Pairs computed together, and keys (or value chunks) per step: RUN x STEP accumulators and
  * STEP vectors of keys (or values) in registers, so each load serves RUN pairs. AVX2 has
- * half the registers, each vector a pair of them: 2 x 2 there (4 x 4 spilled, and a decode
- * step of the 1.5B at 2,000 keys took 1.33x the time of unblocked pairs); plain C the same. */
+ * half the registers, each vector a pair of them: 2 x 2 there, since 4 x 4 spills registers
+ * and is slower than unblocked pairs (docs/performance.md#measurements-behind-the-design);
+ * plain C the same. */
 #ifdef V16_AVX512
 #define RUN 4
 #define STEP 4
@@ -77,8 +78,8 @@ static inline __attribute__((always_inline)) void dot_keys(const float *const *q
 
 /* scale * q.k for keys k[0 .. count - 1] (count <= 16) of `run` pairs into scores[p * stride ..];
  * each pair's maximum into top[p] (as fmaxf(top, block maximum)). One lane reduction for 16
- * keys instead of one per key: a long prompt's prefill spent ~40% of its time in attention,
- * most of it in per-key reductions. */
+ * keys instead of one per key, since per-key reductions dominate a long prompt's attention
+ * (docs/engine.md#fewer-bigger-calls-on-the-cpu-nativepy-attention_cpuc-layers_cpuc-buffer_cachepy). */
 static void score_block(const float *const *q, int run, const float *k, int64_t count, int64_t dim, float scale,
                         float *scores, int64_t stride, float *top) {
     v16f dot[16 * RUN];

@@ -2,10 +2,11 @@
 
 Row-wise attention (batch_invariant.py) gives each query row exactly the computation a
 one-token step gives it. Done with one SDPA call per row, a 9-token verify makes 9
-calls per layer and a 200-token prefill 200, and their fixed cost (~50 us each) added
-~13 ms to a 9-row verify of the 1.5B target. The C kernel computes every (row, head)
-pair in one call, each pair whole on one thread in a fixed order, so a row's numbers
-still do not depend on the rows beside it or on the thread count.
+calls per layer and a 200-token prefill 200, and each call's fixed cost adds up. The C
+kernel computes every (row, head) pair in one call, each pair whole on one thread in a
+fixed order, so a row's numbers still do not depend on the rows beside it or on the
+thread count. The figures:
+docs/engine.md#fewer-bigger-calls-on-the-cpu-nativepy-attention_cpuc-layers_cpuc-buffer_cachepy
 
 It serves fp32 on the CPU (the int8 and int4 precisions) with a head size that is a
 multiple of 16; elsewhere (bf16, CUDA, logit softcapping) `attend` returns None and

@@ -4,10 +4,9 @@ Speculative decoding verifies k tokens in one forward where plain decoding runs
 them one at a time; the prompt is prefilled in one piece or several. Kernels pick
 their blocking, and so their order of summation, from the shapes they are given,
 so the same token gets different last bits in a 1-row and a k-row forward — and
-after rounding (int8 activations, bf16) different enough to flip near-tied argmaxes
-(measured on the 0.5B draft in int8: max logit difference 2.8 between a 60-token
-forward and 60 one-token steps). Three changes make every token's numbers a function
-of the token sequence alone:
+after rounding (int8 activations, bf16) different enough to flip near-tied argmaxes.
+Three changes make every token's numbers a function of the token sequence alone
+(docs/engine.md#a-batch-invariant-forward-batch_invariantpy):
 
 - Attention, row by row (`rowwise_attention`): each query row attends through the very
   computation a one-token step makes — one query over exactly its causal prefix, or
@@ -17,12 +16,11 @@ of the token sequence alone:
   recurrent layers) is refused (`rowwise_refusal`) and keeps its own attention.
 - Linears at one shape (`FixedRowsLinear`): rows go through the matmul in chunks of
   exactly B rows (zero-padded), so the kernel sees one shape whatever the batch.
-  Measured on this project's CPU (Xeon, AVX-512/AMX, torch 2.13), 1536x8960 and
-  other shapes, 1 and 2 threads: fp32 rows are bitwise equal at any B in 1, 2, 4 but
-  not natively (MKL's 1-row gemv differs from its gemm); bf16 equal at B = 8 and 16,
-  natively not past 32 rows. Cost of B: fp32 two rows cost one row's time (memory
-  bound), so B = 2 keeps plain steps at full speed; bf16 with AMX costs the same
-  from 1 to 16 rows, so B = 16. Our int8 linears (quant_cpu) are row-independent
+  fp32 rows are bitwise equal at small B but not natively (MKL's 1-row gemv differs
+  from its gemm), and two fp32 rows cost one row's time (memory bound), so B = 2 keeps
+  plain steps at full speed; bf16 rows are equal at B = 8 and 16, and bf16 with AMX
+  costs the same from 1 to 16 rows, so B = 16 (the measurements: the docs section above;
+  `scripts/linear-rows` reruns them). Our int8 linears (quant_cpu) are row-independent
   already; bitsandbytes layers run as dequantize + fixed-rows matmul (`_bnb`).
 - Norms at one shape, on CUDA: a GPU reduction spreads its threads between rows and
   the reduced dimension by the row count, so norms run in fixed chunks there too.

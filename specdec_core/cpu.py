@@ -3,7 +3,7 @@
 Every decision that depends on the CPU's instructions asks here: which build of the C
 kernels runs (native.py) and whether oneDNN's int8 sums can be exact (quant_cpu,
 draft_bulk). `SPECDEC_ISA=avx512|avx2|scalar` makes this machine answer as a CPU whose best
-build is that one would: `avx2` hides AVX-512, AVX-VNNI and AMX (an AVX2-only Zen 3),
+build is that one would: `avx2` hides AVX-512, AVX-VNNI and AMX (as on an AVX2-only CPU),
 `scalar` hides AVX, FMA and F16C too. The kernels refuse, in one line, a setting this CPU
 cannot run; `python -m specdec_core.cpu --runnable-isas` lists those it can, best first.
 

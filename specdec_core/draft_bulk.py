@@ -3,11 +3,11 @@
 Before its first draft of an answer a model draft reads every prompt token its cache
 lacks (up to `ModelDrafter`'s window). In the 4-bit kernel (`int4_cpu.c`) a row costs its
 `vpdpbusd` instructions at one a cycle plus a group's float work every 32 inputs, so a
-read of 158 tokens cost the 0.5B draft ~220 ms on the Intel Xeon VM: a tenth of a 96-token
-answer that copies carry anyway. oneDNN's int8 matmul scales once per row and channel,
-and on CPUs with AMX its tiles do the integer sums: there the same read takes ~105 ms
-(docs/engine.md has the figures). Each oneDNN call costs ~0.25 ms however few its rows,
-so shorter forwards keep the 4-bit kernel.
+long read costs a sizeable share of an answer that copies carry anyway. oneDNN's int8
+matmul scales once per row and channel, and on CPUs with AMX its tiles do the integer
+sums, so it reads many rows faster. Each oneDNN call has a fixed cost however few its
+rows, so shorter forwards keep the 4-bit kernel (the crossover:
+docs/performance.md#measurements-behind-the-design).
 
 A draft's numbers never reach the answer (the target verifies every token it proposes),
 so its reads may use other weights: its 4-bit values re-quantized to int8 per output
@@ -15,9 +15,8 @@ channel, with activations int8 per row. Never a target's: its rows must stay bit
 same in every grouping. The 4-bit one-call layers keep every forward under `MIN_ROWS`
 rows (draft steps, the catch-up after a verify).
 
-The int8 copy costs memory (~360 MB for the 0.5B's layers) and ~2.5 s at load, so
-`speed_up_reads` keeps it only where a read of `PROBE_ROWS` tokens is clearly faster and
-the memory is there. `SPECDEC_DRAFT_BULK=0` turns it off (for A/B measurements).
+The int8 copy costs memory and load time, so `speed_up_reads` keeps it only where a read
+of `PROBE_ROWS` tokens is clearly faster and the memory is there. `SPECDEC_DRAFT_BULK=0` turns it off (for A/B measurements).
 """
 
 from __future__ import annotations
@@ -40,7 +39,9 @@ from .progress import check_cancelled
 from .quant_cpu import OnednnInt8, onednn_available, onednn_sums_exactly, quantize_weight
 
 ENV_VAR = "SPECDEC_DRAFT_BULK"
-MIN_ROWS = 40  # the 0.5B's read of 32 tokens: 48 ms this way, 47 in one-call layers; 64: 64 against 94
+# Reads of at least this many rows take the int8 copy: above the crossover with the 4-bit
+# one-call layers (docs/performance.md#measurements-behind-the-design).
+MIN_ROWS = 40
 PROBE_ROWS = 128
 MIN_GAIN = 0.85  # keep the int8 reads only if one takes at most 85% of the 4-bit one
 SPARE_BYTES = 2 << 30  # memory that must stay available after the int8 copy

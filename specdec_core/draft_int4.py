@@ -8,10 +8,9 @@ weights to produce one token; at 4 bits it reads about half of what int8 reads.
 torch's int4 CPU kernel (`_weight_int4pack_mm_for_cpu`, group-wise scales and zero
 points, bf16 arithmetic) is fast for one row and slows down quickly with more rows, so
 only forwards of at most `MAX_ROWS` tokens take it (draft steps, the catch-up after a
-verify); a prompt's prefill keeps the int8 path. Measured on the 0.5B draft at 2
-threads after a 200-token context, min of 7, against fbgemm's int8: 1 token 49 → 33 ms,
-2 tokens 53 → 40, 4 tokens 63 → 57, 8 tokens 83 → 97 (`specdec bench --cost-curve`
-reports the step).
+verify); a prompt's prefill keeps the int8 path. The crossover against fbgemm's int8
+lies between 4 and 8 rows (docs/performance.md#measurements-behind-the-design;
+`specdec bench --cost-curve` reports the step).
 
 Where bf16 arithmetic is slow (CPUs without AVX512-BF16/AMX), or the int8 kernel is
 fast (quant_cpu's oneDNN path), the 4-bit path can lose, so `speed_up_draft` times a
@@ -31,7 +30,7 @@ from torch import nn
 from .quant_cpu import FewRowPath, PerTokenInt8Linear
 
 ENV_VAR = "SPECDEC_DRAFT_INT4"
-MAX_ROWS = 4  # above this the int8 kernel is faster (measured: 8 rows 83 vs 97 ms)
+MAX_ROWS = 4  # above this the int8 kernel is faster (docs/performance.md#measurements-behind-the-design)
 MIN_GAIN = 0.95  # keep the 4-bit path only if a step takes at most 95% of the int8 one
 
 

@@ -1,7 +1,7 @@
 """The conversion cache: a GGUF file becomes a plain HF folder once, then loads fast.
 
 Loading a GGUF through transformers de-quantizes every tensor in Python and rebuilds
-the tokenizer from the file's metadata: 50–140 s per model on our 2-core machine. The
+the tokenizer from the file's metadata, which takes minutes for a model of a few GB. The
 result never changes for a given file, so the first load writes it out as a normal
 folder (config.json, model.safetensors, tokenizer files, a minimal
 generation_config.json) and every later load reads that folder in seconds. The cache's

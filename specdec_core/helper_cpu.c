@@ -82,10 +82,10 @@ static void reset_word_lock(void) {
 }
 #endif
 
-/* The helper goes to sleep as soon as it finds no op, after this many pauses: spinning for
- * the next op (for 200 us) ran it beside the caller through the work between ops (attention,
- * norms, Python), which took a third of the caller's core; beside a busy process ours-auto
- * then gained 1.04x from the helper against 1.20x with it asleep. */
+/* The helper goes to sleep as soon as it finds no op, after this many pauses: a helper that
+ * spins for the next op runs beside the caller through the work between ops (attention,
+ * norms, Python) and takes part of the caller's core, which beside a busy process costs
+ * more than the helper gives (docs/performance.md#what-does-not-help-measured-not-kept). */
 #define SPIN_PAUSES 64
 #define CLAIM(op, low, high) ((uint64_t)(op) << 32 | (uint64_t)(low) << 16 | (uint64_t)(high))
 #define OP(claim) ((uint32_t)((claim) >> 32))
@@ -251,8 +251,8 @@ void helper_counts(uint64_t counts[2]) {
     pthread_mutex_unlock(&helper.owner);
 }
 
-/* Tests: from now on every `every`-th chunk a helper claims starts 50 us late, as if it had
- * been descheduled (0: never). */
+/* Tests: from now on every `every`-th chunk a helper claims starts late (a short sleep in
+ * `lag`), as if it had been descheduled (0: never). */
 void helper_lag(int every) {
     __atomic_store_n(&helper.lag_every, every, __ATOMIC_RELAXED);
 }

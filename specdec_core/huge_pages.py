@@ -1,9 +1,9 @@
 """The 4-bit weights in 2 MB pages, so a decoding step streams them at the memory's speed.
 
 A CPU decoding step reads every weight once, in order. In 4 KB pages the hardware
-prefetchers stop at every page boundary and every page costs a TLB walk, so one core
-streamed 13.4 GB/s here (2 threads 24.5); in 2 MB pages, 18.1 (31.7), the same read
-(docs/performance.md). Linux backs memory with such pages where the process asks for
+prefetchers stop at every page boundary and every page costs a TLB walk, so the same
+read streams faster in 2 MB pages (docs/engine.md#the-weights-in-2-mb-pages-huge_pagespy
+has the bandwidths). Linux backs memory with such pages where the process asks for
 them (transparent huge pages in `madvise` mode, the common default) or everywhere
 (`always`); where they are off (`never`), or on another OS, the weights stay where
 they are and nothing else changes; so they do where the mapping cannot be made.

@@ -33,19 +33,17 @@
 #else
 #define TILE 4
 #endif
-/* Groups ahead to prefetch, measured on the 1.5B's layers, 1 row, 2 threads: on an AMD EPYC
- * (4 KB pages) none 51 ms, 4 ahead 46, 8 ahead 40, 16 ahead 39; on an Intel Xeon with the
- * weights in 2 MB pages (huge_pages.py) none 38-40 ms, 4 ahead 32-34, 8 ahead 33, 16 ahead
- * 47-48: too far ahead, prefetches evict lines before they are read. */
+/* Groups ahead to prefetch: far enough that a group's lines arrive before it is read, near
+ * enough that they are not evicted first. With the weights in 2 MB pages (huge_pages.py) the
+ * prefetchers run further ahead on their own, and 16 groups evicts lines before they are read;
+ * 8 suits both kinds of page (docs/performance.md#measurements-behind-the-design). */
 #define PREFETCH 8
 /* A pass with fewer rows than a tile streams its weights once and waits on memory. On an
  * Intel core, prefetches into L1 hold its few line fill buffers; into L2 (T1) more reads
- * are in flight. Measured on a Xeon (Sapphire Rapids, 2 MB pages, 2 threads, builds
- * alternating, medians): the 1.5B's 1-row step 36.0 -> 33.9 ms with T1 12 ahead (T1 8 and
- * 10 ahead: 34.1-34.5), a 4-row verify 45.5 -> 41.4, the 0.5B's step 9.7 -> 9.2. Full
- * tiles (a prompt's read, compute-bound) gained nothing from it and keep T0. native.py sets
- * SPECDEC_INTEL_PREFETCH on Intel CPUs; AMD's figures above are T0's, and the AVX2 build
- * (tuned on AMD) keeps T0. */
+ * are in flight, so a decoding pass prefetches into L2, 12 groups ahead. Full tiles (a
+ * prompt's read, compute-bound) keep T0. native.py sets SPECDEC_INTEL_PREFETCH on Intel
+ * CPUs; other CPUs and the AVX2 build (bound by its instructions, not memory) keep T0
+ * (docs/engine.md#the-weights-in-2-mb-pages-huge_pagespy). */
 #ifdef SPECDEC_INTEL_PREFETCH
 #define STREAM_HINT _MM_HINT_T1
 #define STREAM_AHEAD 12
@@ -61,7 +59,7 @@
 /* One row's groups: int8 values, scale a, and a * sum(values). The same numbers as
  *     a = max |x| / 127 (NaNs left out, as fmaxf does), v = (int)nearbyintf(x / a)
  * computed one value at a time; in vectors, since with one row it runs on one thread while
- * the other waits (the draft's 4,864-input row took ~8 us a value at a time). */
+ * the other waits (docs/engine.md#the-cpu-4-bit-path-int4_cpupy-int4_cpuc). */
 static void quantize_row(const float *x, int64_t k, int8_t *q, float *scale, float *scaled_sum) {
     for (int64_t g = 0; g < k / GROUP; g++) {
         const float *xs = x + g * GROUP;
@@ -621,8 +619,8 @@ static int quantize_group(const float *w, int top, uint8_t q[GROUP], uint16_t *s
 /* The packed layout above from fp32 weights [n_out, k], as int4_cpu.pack(*quantize(w)) makes
  * it: `packed` holds ceil(n_out / 16) * (k / 32) * BLOCK_BYTES(bits) bytes, channels past n_out
  * zero. 0; -1 when k or bits do not fit; -2 when a weight is NaN or too large for fp16 scales
- * (checked here: a separate torch.aminmax pass made quantizing the 1.5B's linears ~0.3 s
- * slower on a Zen 3 EPYC). */
+ * (checked here, in the same pass, rather than in a separate pass over the weights in torch:
+ * docs/engine.md#quantizing-at-load-in-c-int4_pack). */
 int int4_pack(const float *w, int64_t n_out, int64_t k, int bits, uint8_t *packed, int threads) {
     if ((bits != 4 && bits != 6) || k % GROUP) return -1;
     int64_t groups = k / GROUP, blocks = (n_out + LANES - 1) / LANES, block_bytes = BLOCK_BYTES(bits);

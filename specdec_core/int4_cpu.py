@@ -20,9 +20,9 @@ in one line at load.
 
 The target's LM head takes 6 bits in the same kernel and layout (two more vectors carry
 each weight's top 2 bits): it decides the argmax directly, and GGUF files keep it at 6
-bits or more. On the 1.5B it reads ~204 MB a step instead of int8's ~234, and on 2,048
-tokens of this repo's docs and code its negative log-likelihood was no worse than the
-int8 head's (docs/engine.md). A draft's head takes 4 bits (`head_to_int4`).
+bits or more. It reads fewer bytes a step than an int8 head and predicts no worse
+(docs/engine.md#the-cpu-4-bit-path-int4_cpupy-int4_cpuc has the bytes and the quality).
+A draft's head takes 4 bits (`head_to_int4`).
 """
 
 from __future__ import annotations
@@ -130,10 +130,10 @@ class WeightsDoNotFit(ValueError):
 
 
 def pack_weight(weight: torch.Tensor, bits: int = 4) -> torch.Tensor:
-    """`pack(*quantize(weight, bits), bits=bits)` in one pass of C: the same bytes, ~8x faster
-    (the 1.5B's linears on a 2-core AMD EPYC: 25 s in torch, 3.3 s). The same pass checks that
-    fp16 scales can hold the weights (`WeightsDoNotFit` where not), which a pass of its own
-    (torch.aminmax, 0.6-0.7 s over the 1.5B's fp32 weights) did before."""
+    """`pack(*quantize(weight, bits), bits=bits)` in one pass of C: the same bytes without torch's
+    full-size temporaries. The same pass checks that fp16 scales can hold the weights
+    (`WeightsDoNotFit` where not), so no separate pass over the weights is needed
+    (docs/engine.md#quantizing-at-load-in-c-int4_pack has the load times)."""
     weight = weight.detach().float().contiguous()
     out_features, in_features = weight.shape
     blocks = -(-out_features // LANES)

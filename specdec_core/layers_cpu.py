@@ -1,17 +1,18 @@
 """Decoder layers in fewer, bigger calls on the CPU, for the plain Llama layer shape.
 
-A one-token step of the 0.5B draft at int4 took ~15 ms, ~6 of them outside the
-matmuls: ~40 small torch ops per layer (the norms' six ops each, the rotary
-embedding's ten, views, slices), each a few microseconds of dispatch, through
-transformers' generic layer and attention code. The draft makes most of a model
-draft's forwards, so that fixed cost is most of what speculation pays for drafting.
+Once the weights are at 4 bits, much of a one-token step is spent outside the matmuls:
+~40 small torch ops per layer (the norms' six ops each, the rotary embedding's ten,
+views, slices), each paying its dispatch, through transformers' generic layer and
+attention code. The draft makes most of a model draft's forwards, so that fixed cost is
+most of what speculation pays for drafting. The figures:
+docs/engine.md#fewer-bigger-calls-on-the-cpu-nativepy-attention_cpuc-layers_cpuc-buffer_cachepy
 
 For a layer of the plain shape (Llama, Qwen2, Mistral: two RMSNorms, q/k/v/o with one
 rotary embedding over whole heads, SiLU-gated MLP, row-wise attention) this forward
 does the same arithmetic in ~15 calls: the norms and the rotary embedding in C
 (layers_cpu.c), the projections through the model's own linear modules, attention
 through attention_cpu. Every row's numbers depend on that row alone, as before, so
-a verify, a prefill and a one-token step still agree bitwise (tests/test_layers_cpu.py).
+a verify, a prefill and a one-token step agree bitwise (tests/test_layers_cpu.py).
 The rotary embedding computes exactly transformers' operations; the norm sums its
 squares in its own order, so its last bits can differ from transformers' norm.
 
@@ -25,8 +26,8 @@ cache it runs with: transformers' generate with its own cache takes the forward 
 Where every layer of a Llama, Qwen2 or Mistral model runs in one call, the model's
 forward can too (`OneCallStack`, used by kvcache.CachedModel): the embedding, transformers'
 own rotary embedding, then all layers in one C call (`decoder_stack`), then the model's
-own final norm and head. The Python between the layers (~0.13 ms a layer: the buffers'
-bookkeeping, views, the call itself) and transformers' mask construction are gone; the
+own final norm and head. The Python between the layers (the buffers' bookkeeping, views,
+the call itself) and transformers' mask construction are gone; the
 arithmetic is the same calls in the same order (tests/test_layers_cpu.py checks it bitwise).
 
 It is installed where the linears are this project's int8 or int4 ones (the CPU

@@ -58,10 +58,10 @@ class KernelUnavailable(RuntimeError):
 
 
 _share_spare_core = False  # what the library is told when it loads (share_spare_core)
-# Helper threads that share a one-thread op while sharing is on. Two, on a 2-core machine
-# beside a busy process: ours-auto 1.064x faster than with one (16 of 16 prompts; three
-# gave 1.074x, 14 of 16), as the scheduler gives each runnable thread its share; quiet,
-# a forward costs the same with one, two or three (docs/performance.md). At most two
+# Helper threads that share a one-thread op while sharing is on. Two, because beside a busy
+# process the scheduler gives each runnable thread its share, so two helpers take more of
+# the spare core than one, while a third adds nothing; quiet, a forward costs the same with
+# one, two or three (docs/performance.md#beside-a-busy-process). At most two
 # (HELPER_THREADS in helper_cpu.h, whose staging is reserved for that many).
 HELPERS = 2
 

@@ -9,10 +9,9 @@ cannot run there either, until the busy process's time slice ends. A short spin 
 the finished thread sleep instead, and the OS runs the descheduled thread on the core
 it gives up.
 
-Measured on the 2-core Intel Xeon VM, target alone, 2 threads pinned, 64 tokens
-(`specdec bench --precision int4 --under-load`, docs/performance.md): beside one busy
-process, 3.1-3.6 tok/s with the default spin and 9.8 with 3,000 iterations; quiet,
-21.9-22.9 with either (30,000 iterations: 4.8 busy). The thread governor (threads.py)
+So the spin is short: beside a busy process the default spin costs most of the speed
+and a short one keeps it, while quiet the two run alike
+(docs/performance.md#measurements-behind-the-design). The thread governor (threads.py)
 still moves to one thread under steady load, where the spin does not matter; the short
 spin is for the time before it does: the first second of a burst of load, and a
 calibration or an answer that load catches mid-step.

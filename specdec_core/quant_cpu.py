@@ -12,9 +12,9 @@ Two kernels compute that product (`SPECDEC_INT8_KERNEL` picks one by name):
 - `onednn` (default where it sums exactly, i.e. with VNNI or AMX): uint8 activations
   (q + 128) x int8 weights -> the exact integer sums as floats, scaled by us
   afterwards, so no kernel rounding can differ between row counts. Its cost grows
-  more slowly with rows than fbgemm's (1.5B target, interleaved: 6 tokens 0.86x,
-  150-token prefill 0.77x of fbgemm's time, 1 token 1.04x) and its activations
-  keep 8 bits.
+  more slowly with rows than fbgemm's, so verifies and prefill are cheaper
+  (docs/performance.md#measurements-behind-the-design), and its activations keep
+  8 bits.
 - `fbgemm`: torch's dynamic int8 linear. It picks one activation scale per tensor,
   so each token is first scaled to [-1, 1] and two constant columns +1 and -1 (with
   zero weights) make every row's, and so the tensor's, range the same for any batch.
@@ -72,10 +72,11 @@ def kernel_name() -> str:
     if os.environ.get(KERNEL_ENV, "").strip().lower() == "fbgemm":
         return "fbgemm"
     if onednn_available() and cpu.int8_sums_can_be_exact():
-        # oneDNN reads its ISA cap once, at first use. With AMX, interleaved on a 2-core
-        # VM (docs/performance.md), verifies and prefill got 20-45% cheaper but plain
-        # decoding ran at 0.80x fbgemm, jumping between 63 and 170 ms a step; the AVX-512
-        # VNNI kernels kept steady steps. Set the variable yourself to allow AMX.
+        # oneDNN reads its ISA cap once, at first use. It is capped below AMX: AMX makes
+        # verifies and prefill cheaper but its plain steps jitter and decoding is slower
+        # end to end, while the AVX-512 VNNI kernels keep steady steps
+        # (docs/performance.md#what-does-not-help-measured-not-kept). Set the variable
+        # yourself to allow AMX.
         os.environ.setdefault(ONEDNN_ISA_ENV, "AVX512_CORE_FP16")
         if onednn_sums_exactly():
             return "onednn"
