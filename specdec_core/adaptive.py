@@ -10,8 +10,8 @@ Nothing is assumed: t_verify(m) is timed for every target forward of m tokens
 (on a CPU a 10-token verify costs clearly more than a 1-token step), t_draft for
 every one-token draft forward, t_first for what a draft's first forward costs on top,
 and a_i from the verdicts. Timings are medians of the last few: on a shared machine
-one forward now and then stalls for 5-20x its cost (an OpenMP thread descheduled;
-measured in docs/performance.md), and an average would carry such a spike into many
+one forward now and then stalls for many times its cost (an OpenMP thread descheduled;
+docs/engine.md#adaptive-k-adaptivepy), and an average would carry such a spike into many
 steps, or forever for a size the controller then avoids. Each is kept as the machine's
 current speed times the kind's usual cost (`CostModel`), so a kind not timed lately
 still follows the machine.
@@ -36,10 +36,10 @@ WINDOW = 7
 
 # A verify size's own timings count once it has this many (a median of fewer can be one
 # stalled forward); until then it is read off the line through the sizes that have them.
-# Taken alone, one stalled first timing of a size the calibration skips (a 3-token verify
-# at 284 ms, between 112 for 2 tokens and 133 for 4) priced every longer verify as high,
-# since none may look cheaper than a smaller one; the draft's early stop then cut every
-# draft to one token, and the size was never timed again.
+# Taken alone, one stalled first timing of a size the calibration skips would price every
+# longer verify as high, since none may look cheaper than a smaller one; the draft's early
+# stop would then cut every draft short, and the size would never be timed again
+# (docs/engine.md#adaptive-k-adaptivepy).
 ESTABLISHED = 3
 
 # The machine's speed is the low median ratio of the last few forwards of any kind to
@@ -61,8 +61,9 @@ THIN_EVIDENCE = 2.0
 STRETCH_EVERY = 4
 
 # Plain steps before a probe, per verdict the stopping estimate rests on (see `Prober`).
-# Against a draft that never pays, the evidence settles near 4 aged verdicts, so a probe
-# comes every ~12 plain steps instead of 16: ~0.3 ms a step more.
+# Against a draft that never pays, the evidence settles near a few aged verdicts, so a
+# probe comes a little sooner than every `Prober.every` plain steps, at a small cost a step
+# (docs/engine.md#adaptive-k-adaptivepy).
 PLAIN_STEPS_PER_VERDICT = 3.0
 
 # What an acceptance estimate assumes before its first verdicts, and how many verdicts
@@ -80,23 +81,22 @@ class CostModel:
     """Measured seconds of a target forward by number of tokens, and of a draft's forwards.
 
     Each cost is the machine's current speed (`scale`) times the kind's usual cost at that
-    speed (its shape). On a shared desktop the speed drifts by a third within minutes,
-    and a policy re-times only the forwards it runs: timed apart, a plain step's cost
-    followed the machine while the draft and the larger verifies kept the figures of a
-    slower moment, so drafting looked worse than it was and plain steps went on (measured:
-    25 in a row on a prompt the model drafted well). So every forward, of any kind, moves
-    the common scale, and each kind keeps only its cost relative to the others.
+    speed (its shape). On a shared desktop the speed drifts within minutes, and a policy
+    re-times only the forwards it runs: timed apart, a plain step's cost would follow the
+    machine while the draft and the larger verifies kept the figures of a slower moment,
+    so drafting would look worse than it is and plain steps would go on. So every forward,
+    of any kind, moves the common scale, and each kind keeps only its cost relative to the
+    others (docs/engine.md#adaptive-k-adaptivepy).
 
     A draft's first forward also reads the tokens the draft model has not seen yet, and
-    on this CPU that makes it dearer than the one-token forwards after it (measured on
-    the 0.5B draft: ~53 ms for one token, ~65 ms for two, ~105 ms for six or more). While
+    on a CPU that makes it dearer than the one-token forwards after it
+    (docs/performance.md#measurements-behind-the-design). While
     the model drafts step after step, that is the bonus token of a fully accepted step:
     `draft_first` is the typical first forward of that steady state (reading at most
     `STEADY_FIRST_TOKENS`), `draft_token` each further one. A longer catch-up (the prompt,
     the tokens of plain or copied steps) is a debt paid whenever the model next drafts,
     so it is not booked: counted, it would make the model look dearer the longer it has
-    been off and keep it off (measured: 70 plain steps of 81 on a prompt the model
-    drafted at 0.90, after the prompt's read became the first timing).
+    been off and keep it off.
     """
 
     def __init__(
@@ -216,8 +216,8 @@ class CostModel:
     def verify_slope(self) -> float:
         """Seconds one more verified token adds to a verify of two or more: the slope of the
         line through those sizes. Adjacent sizes' medians differ by more noise than that
-        (in one bench run: 7 ms from 2 to 4 tokens after one prompt, 51 ms from 2 to 3 after
-        another), and a draft weighing one more token must not take noise for its price."""
+        (docs/engine.md#drafters), and a draft weighing one more token must not take noise
+        for its price."""
         points = sorted((m, t) for m, t in self._verify_points().items() if m >= 2)
         if len(points) >= 2:
             return _line(points)[2]
@@ -323,9 +323,9 @@ class AcceptanceEstimate:
         """A copy whose evidence counts as at most `weight` verdicts: the prior of a new answer.
 
         The last answer's acceptance is a fair first guess for the next, but another topic
-        drafts differently (measured: carried whole from prose answers, an estimate near 0.3
-        kept the model draft off a whole arithmetic answer it drafted at 0.82), so a few new
-        verdicts must be able to outvote it.
+        drafts differently: carried whole, a low estimate from one kind of answer can keep
+        the model draft off a whole answer it drafts well. So a few new verdicts must be
+        able to outvote it.
         """
         copy = AcceptanceEstimate(len(self.trials), self.prior, self.prior_weight, self.decay)
         total = sum(self.trials)
@@ -371,9 +371,9 @@ class Prober:
     A probe comes after `every` plain steps, sooner while the estimate that stopped
     drafting rests on few verdicts: after `PLAIN_STEPS_PER_VERDICT` plain steps per
     verdict of evidence. One or two rejections at an answer's first drafts are weak
-    evidence against a draft that is right 70% of the time, yet they priced it below a
-    plain step, and the wait for the next probe was then 16 tokens of plain decoding
-    (traced: the first 30 of 96 tokens plain on a question the model drafted at 0.75).
+    evidence against a draft that is usually right, yet they can price it below a plain
+    step, and the full wait for the next probe would then be a long run of plain
+    decoding (docs/engine.md#adaptive-k-adaptivepy).
     A probe whose every token was accepted calls the next one after a single plain
     step, so a draft that pays again is re-measured at once.
     """
@@ -416,8 +416,7 @@ class Stretcher:
     A position is only measured by drafts that reach it, so a single rejection at
     position 2 (its rate then rests on one verdict, below the pooled rate) makes k = 1
     look best, and k = 1 never tests position 2 again; only aging slowly lifts it
-    (traced on a prompt the model drafted at 0.9: 21 steps in a row at k = 1, 9.4
-    against 12 tok/s on runs without that rejection). So every `every` drafting steps
+    (docs/engine.md#adaptive-k-adaptivepy). So every `every` drafting steps
     whose next position has less than THIN_EVIDENCE verdicts and a rate below the
     pooled one draft one token more. The draft's early stop still cuts an unconfident
     token, and a few judged tokens settle the position either way.

@@ -243,7 +243,8 @@ class ModelDrafter:
         self.calibration = ConfidenceCalibration()
         self.early_stop = True
         # A draft reads a long prompt's last `window` tokens only (`_window`): its first draft
-        # would otherwise wait ~1.7 ms a token (0.5B, 2 threads) for the whole prompt.
+        # would otherwise wait for the whole prompt to be read, a cost per token
+        # (docs/engine.md#a-window-on-long-prompts-modeldrafter_window).
         self.max_catch_up = MAX_CATCH_UP
         self.window = WINDOW
         self.window_start = 0  # the draft's cache holds tokens[window_start:]
@@ -303,8 +304,9 @@ class ModelDrafter:
 
         Where a run ends is then the early stop's call, token by token, from each token's
         calibrated confidence. The planned k rests on acceptance by position, averaged over
-        steps, which cannot tell a sure run from a doubtful one: traced on edits the model
-        drafted at 0.85-0.9, it planned 1-2 tokens a step and nearly every one was accepted.
+        steps, which cannot tell a sure run from a doubtful one: on edits the model drafts
+        well, it plans short runs of which nearly every token is accepted
+        (docs/engine.md#drafters).
         """
         if planned <= 0 or not self.early_stop:
             return planned
@@ -383,8 +385,8 @@ class ModelDrafter:
             forward_start = time.perf_counter()
             logits = self._fit_vocab(self.runner.forward(pending, logits_to_keep=1)[-1])
             probs = sampling.probs(logits)
-            # One pass for both: torch's argmax over a 151,936-token vocabulary took ~0.2 ms
-            # on a CPU, a fiftieth of the draft's forward. Softmax keeps the logits' order (bar
+            # One pass for both: a separate argmax over a whole vocabulary costs a noticeable
+            # share of a draft's forward on a CPU. Softmax keeps the logits' order (bar
             # ties from rounding, which could change only the draft's guess, never the output).
             top, top_index = probs.max(-1)
             confidence = float(top)  # reading it waits for an accelerator's kernels

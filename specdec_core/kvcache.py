@@ -8,7 +8,7 @@ Two things make that rollback exact on every architecture:
 - Sliding-window layers (Mistral, Phi-3, Gemma 2/3, Qwen2 with a window) keep
   every past state (`RollbackSlidingWindowLayer`): transformers' own sliding layer
   keeps only the window and cannot be cropped once it is full. The model still sees
-  exactly the keys its own sliding layer would hand it, so the window applies as before.
+  exactly the keys its own sliding layer would hand it, so the window applies unchanged.
 - A forward that fails half-way (out of memory, an interrupt) has already written
   some layers; the cache is then reset, so the next forward re-feeds the sequence
   instead of reading half-written states. So is a forward whose logits hold inf/NaN

@@ -11,7 +11,7 @@ For a layer of the plain shape (Llama, Qwen2, Mistral: two RMSNorms, q/k/v/o wit
 rotary embedding over whole heads, SiLU-gated MLP, row-wise attention) this forward
 does the same arithmetic in ~15 calls: the norms and the rotary embedding in C
 (layers_cpu.c), the projections through the model's own linear modules, attention
-through attention_cpu. Every row's numbers depend on that row alone, as before, so
+through attention_cpu. Every row's numbers depend on that row alone, so
 a verify, a prefill and a one-token step agree bitwise (tests/test_layers_cpu.py).
 The rotary embedding computes exactly transformers' operations; the norm sums its
 squares in its own order, so its last bits can differ from transformers' norm.

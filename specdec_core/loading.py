@@ -1,11 +1,11 @@
 """Load one model reference onto a device at a precision, refusing what is wrong in one line.
 
 Precision choices (`auto` picks the fastest that fits and says what it chose):
-- CPU: `int4` is our batch-invariant 4-bit kernel (int4_cpu; ~0.6 of int8's bytes a
-  step; it needs AVX2 (or AVX-512 VNNI) and a C compiler, and `auto` takes it where it runs);
-  `int8` our batch-invariant per-token int8 (see quant_cpu; ~4x fp32 here),
-  `bf16`, `fp32`; `nf4` goes through bitsandbytes' CPU backend (slow: measured 2.1
-  tok/s on a 0.5B vs 14 for our int8), allowed but never picked by `auto`.
+- CPU: `int4` is our batch-invariant 4-bit kernel (int4_cpu; fewer bytes a step than
+  int8; it needs AVX2 (or AVX-512 VNNI) and a C compiler, and `auto` takes it where it runs);
+  `int8` our batch-invariant per-token int8 (see quant_cpu; several times fp32's speed),
+  `bf16`, `fp32`; `nf4` goes through bitsandbytes' CPU backend (far slower than our int8:
+  docs/performance.md#measurements-behind-the-design), allowed but never picked by `auto`.
 - CUDA: `bf16` (`fp16` where bf16 is unsupported) when the weights fit in 3/4 of the
   free memory, else `nf4` (bitsandbytes); `int8` is bitsandbytes' LLM.int8(). The size
   is counted in parameters from the safetensors headers, so a bf16 and an fp32
@@ -113,7 +113,8 @@ def resolve_precision(precision: str, device: str, parameters: int, *, offload: 
     if precision != "auto":
         return precision
     if device == "cpu":
-        # 4 bits read ~0.6 of int8's bytes a step at the same perplexity (docs/performance.md).
+        # 4 bits read fewer bytes a step than int8 at the same perplexity
+        # (docs/engine.md#the-cpu-4-bit-path-int4_cpupy-int4_cpuc).
         # The scalar build does its dot products a value at a time: there int8 is the fast one.
         if native.unavailable() is None and native.isa() != "scalar":
             return "int4"
@@ -273,7 +274,7 @@ def _load_weights(
         prepare_for_cpu(model, precision)
     else:
         # cuBLAS and SDPA pick kernels by row count: without this, a verify and plain
-        # steps differ and speculation changes the text (measured on an H200, bf16).
+        # steps differ and speculation changes the text (docs/engine.md#where-near-ties-may-differ).
         make_batch_invariant(model)
     return model.eval()
 

@@ -92,8 +92,9 @@ def make_drafter(spec: DraftSpec | str, target: LoadedModel, draft: LoadedModel 
     if spec.kind == NGRAM:
         return NgramDrafter()
     assert draft is not None
-    # Prompt lookup first (free: copied spans of the conversation), the model otherwise;
-    # measured fastest overall in docs/benchmarks.md (`ours-auto`), exact either way.
+    # Prompt lookup and the model, the best of them each step (free copies of the
+    # conversation where they pay): the fastest overall, exact either way
+    # (docs/performance.md#current-figures-by-cpu).
     return LookupThenModelDrafter(ModelDrafter(draft.model, name=draft.name, vocab_size=target.vocab_size))
 
 

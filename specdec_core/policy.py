@@ -14,9 +14,9 @@ acceptance; t_draft is a one-token draft forward and t_first what the model's fi
 forward typically costs on top (it also reads the tokens the draft has not seen yet;
 `adaptive.CostModel`). Lookup acceptance is kept per match length n (a 4-token match
 predicts better than a 2-token one); a length not seen yet starts from how the first
-copies of the others have done. The best option wins; "lookup first" is no longer
-a rule, so an excellent draft model is never pre-empted by worse copies (measured:
-trying lookup first pulled acceptance down to 0.33 with a draft identical to the target).
+copies of the others have done. The best option wins, with no rule that lookup goes
+first, so an excellent draft model is never pre-empted by worse copies
+(docs/engine.md#drafters).
 
 While the model drafts, each of its tokens may make the text match again (a summary
 paraphrases a few words, then quotes the prompt once more); `resume_copies` then prices
@@ -96,10 +96,9 @@ class SourcePolicy:
         """What a first copy after a match length not seen yet is expected to do: the first
         copies of the lengths seen so far, shrunk toward the fixed prior.
 
-        Starting every new length at the fixed 0.6 made copies look better than a good
-        model on answers where copies fail: traced on a word problem, copies after new
-        match lengths were drafted at that prior and rejected at once (3, 5, 3 and 2 copies,
-        0 accepted) while the model drafted at 0.9 or more.
+        Starting every new length at the fixed prior would make copies look better than a
+        good model on answers where copies fail: each new match length would draft copies
+        at that prior and have them rejected at once, while the model drafts well.
         """
         hits = sum(estimate.hits[0] for estimate in self._lookup.values() if estimate.hits)
         trials = sum(estimate.trials[0] for estimate in self._lookup.values() if estimate.trials)
@@ -172,10 +171,10 @@ class SourcePolicy:
     def _probe(self, best: Choice, options: list[tuple[float, Choice]]) -> Choice:
         """A probe; every other one drafts with the model alone.
 
-        Probing only the best-looking option can starve the model draft: measured, after
-        prose answers its estimate sat below break-even, the probes went to prompt-lookup
-        copies that kept failing on an arithmetic answer, and the model, which drafted that
-        answer at 0.82 when asked first, was never re-measured.
+        Probing only the best-looking option can starve the model draft: when its estimate
+        sits below break-even (carried from answers of another kind), the probes would all
+        go to prompt-lookup copies, and the model, however well it drafts this answer,
+        would never be re-measured.
         """
         self._probe_model = not self._probe_model
         if self._probe_model and best.lookup_tokens:
@@ -186,9 +185,8 @@ class SourcePolicy:
         """The model's best draft, as a probe: it has not drafted for `probe_every` steps.
 
         The model is scored only when it drafts, and the plain-step probes count plain
-        steps in a row, so copies drafted now and then kept resetting that count and the
-        model was never tried again (measured: 70 plain steps, 11 copied and no model
-        token on a prompt the model alone drafted at 0.84 per position, 12.8 tok/s against 10.0).
+        steps in a row, so copies drafted now and then would keep resetting that count and
+        the model would never be tried again (docs/engine.md#drafters).
         """
         return Choice(0, _best_model_tokens(options), probe=True)
 
@@ -232,9 +230,9 @@ class SourcePolicy:
 
         Priced like `options`: the tokens so far and their cost are the same either way;
         copies add their expected tokens for the verify's extra positions only, the model
-        its remaining forwards too. Measured on a summary, where the model drafted through
-        every paraphrase for 7 tokens (~400 ms) and the text copied the prompt again right
-        after the first of them.
+        its remaining forwards too: in a summary, the text often copies the prompt again
+        right after the first token of a paraphrase, where the model would otherwise draft
+        on through the rest of it (docs/engine.md#drafters).
         """
         budget = min(budget, self.max_k)
         head = step.lookup_tokens + drafted

@@ -18,8 +18,8 @@ are compared, as a long prompt read in chunks crosses them. Every row of A is co
 with the plain step at its position. C is there because a GPU library picks its kernel
 by row count: one of m rows may match a step of 1 while one of 3 does not. On CUDA the
 context is longer (160 tokens), as its attention kernels also change with the key
-length; measured on an H200 with random-weight models, a 12-token context passed
-forwards whose speculative output differed.
+length, and a short context can pass forwards whose speculative output differs
+(docs/engine.md#where-near-ties-may-differ).
 
 Thread counts: torch's thread count is an input to the numbers too, and the process's
 thread governor (threads.py) may change it between two steps of an answer. So the check

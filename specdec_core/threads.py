@@ -2,10 +2,10 @@
 
 Why: torch's OpenMP threads wait for each other at the end of every op. When another
 process keeps one of the cores busy, the thread that shares it is descheduled for
-whole time slices and every op waits for it. Measured on a 2-core machine with one
-`python -c "while True: pass"` running: the 1.5B target at 2 threads fell to ~31% of
-its quiet speed, at 1 thread it kept ~90% (docs/performance.md). So the thread count
-should be the number of cores other processes leave free, re-checked while running.
+whole time slices and every op waits for it: beside a busy process two threads lose
+most of their quiet speed where one thread keeps most of its own
+(docs/performance.md#beside-a-busy-process). So the thread count should be the number
+of cores other processes leave free, re-checked while running.
 
 How: about once a second (the engine calls `maybe_adjust()` once per step and before
 each chunk of a long prompt; most calls only read a clock) the governor reads how busy
@@ -19,23 +19,21 @@ A window says little about now when it is long: while the user reads an answer t
 engine makes no calls, and a neighbour that started a second before the next message is
 a sixtieth of a minute's window. So a check that comes more than `STALE_S` past due, and
 the very first call, count the threads of other processes that are runnable at that
-instant instead (`running_elsewhere`; Linux). Measured on the 2-core Xeon VM, a
-128-token prompt read at two threads beside a loop that had started a second before
-took 1.70-1.83 s against 0.56 quiet; docs/performance.md has the figures with the count.
+instant instead (`running_elsewhere`; Linux): a prompt read at two threads beside a
+neighbour that started just before is several times slower than quiet
+(docs/performance.md#measurements-behind-the-design).
 
 At one thread, the core it leaves still has spare time: the scheduler gives another
 process's busy thread half of a shared core, not all of it. So while the governor runs
 fewer threads than it would on a quiet machine, the C kernels' linears share their work
-with helper threads that never make the caller wait (helper_cpu.c; measured beside a
-busy process, the 1.5B's 5-token verify took 76-82 ms with one against 95-107 ms without,
-and ours-auto answered 1.16-1.20x faster with one and 1.06-1.07x faster again with two,
-docs/performance.md). The helpers' time comes out of the neighbour's (measured: 1.00 core
-busy without one, ~0.7 with one), which is still far more load than the 0.08 of a core
-under which a second thread comes back.
+with helper threads that never make the caller wait (helper_cpu.c); beside a busy
+process they make every answer faster (docs/performance.md#beside-a-busy-process). The
+helpers' time comes out of the neighbour's, which is still far more load than the
+`UP_MARGIN` of a core under which a second thread comes back.
 
 A thread count changed in the middle of an answer must not change its numbers. Our
 int8 rows come out bitwise the same at 1 and 2 threads (tests/test_threads.py), but an
-fp32 matmul does not (measured ~4e-5 on a tiny model), so the process's governor
+fp32 matmul's last bits depend on the thread count, so the process's governor
 follows the load only once the exactness self-check has seen every count it may choose
 (1 to `max_threads`) reproduce the verify and plain steps of the count it ran at
 (`follow_load`, set by selfcheck.py); until then it keeps the count it has.
@@ -67,10 +65,9 @@ ENV_VAR = "SPECDEC_THREADS"
 CHECK_INTERVAL_S = 1.0
 FIRST_CHECK_S = 0.25  # the first decision comes early: a stalled first second is most of a short answer
 # Drop a thread when it would share a core with more than this much foreign work. Low,
-# because one thread with the helper costs little when it was not needed (quiet, forced:
-# ours-auto 0.97x of two threads) and two threads beside even a light neighbour stall at
-# every barrier (a loop busy 3 ms in 10, which the probe reads as ~0.25: ours-auto 1.33x
-# faster on one thread with the helper, 16 of 16 prompts; docs/performance.md).
+# because one thread with the helpers costs little when it was not needed, while two
+# threads beside even a light neighbour stall at every barrier
+# (docs/performance.md#beside-a-busy-process).
 DOWN_MARGIN = 0.15
 UP_MARGIN = 0.08  # add one when a whole core but this much is free ...
 UP_CHECKS = 2  # ... on this many checks in a row
@@ -224,9 +221,9 @@ class ThreadGovernor:
 
         For CPU time that is not a neighbour's, though the probe cannot tell it apart:
         `specdec bench`'s peer server runs its request while our engine waits, so its
-        two busy cores are no load on ours. Counted, they moved every method that ran
-        next to one thread for a second or more (measured: transformers' `generate`
-        9.9-10.4 tok/s against 15.7-17.2 with the count pinned).
+        two busy cores are no load on ours. Counted, they would move every method that runs
+        next to one thread for a second or more, and slow it
+        (docs/performance.md#measurements-behind-the-design).
         """
         if self._probe is not None:
             self._probe.others_busy()  # the probe reports "since the previous call"
