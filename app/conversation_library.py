@@ -1,10 +1,11 @@
 """The saved conversations as the window sees them: a listing kept in memory, and
 saving, loading, renaming and deleting done off the UI thread.
 
-On a 20,000-token conversation, saving takes about a second (JSON with indent and an
-fsync) and loading about 0.2 s (scripts/transcript-timings); listing the folder reads
-every file. The window saves after every message, so all of that ran on the UI
-thread at the end of each answer. Here the folder is read once, when the
+Saving a long conversation (JSON with indent and an fsync) and loading it take far
+longer than a UI-thread turn may, and listing the folder reads every file
+(docs/app.md#a-transcript-that-never-stalls; scripts/transcript-timings measures them).
+The window saves after every message, so none of that may run on the UI thread at the
+end of an answer. Here the folder is read once, when the
 window starts; afterwards the listing is updated in memory, and the file work
 runs in one background thread, in the order asked (a delete never races a save).
 Results come back as signals, delivered on the UI thread.

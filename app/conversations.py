@@ -120,7 +120,7 @@ class StoredMessage:
     role: str  # "user" | "assistant"
     content: str
     tokens: list[StoredToken] = field(default_factory=list)  # assistant answers only
-    footer: str = ""  # "Draft: … · accepted 143/180 (79%) · 2.1× faster"
+    footer: str = ""  # "Draft: … · accepted A/P (R%) · S× faster" (side_panel.answer_footer)
     stopped: bool = False  # the user stopped it: the content is a prefix of the answer
 
     def to_json(self) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from .settings import AppSettings
 
 
 def answer_footer(stats: GenerationStats, draft_name: str) -> str:
-    """The line under an answer: "Draft: … · accepted 143/180 (79%) · 2.1× faster · 12.3 tok/s"."""
+    """The line under an answer: "Draft: … · accepted A/P (R%) · S× faster · T tok/s"."""
     parts = [f"Draft: {draft_name}"]
     if stats.new_tokens == 0 and stats.stop_reason == "cancelled":
         return f"{parts[0]} · stopped before the first token"  # no speed to report

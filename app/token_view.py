@@ -36,7 +36,8 @@ __all__ = ["LIVE_REFRESH_MS", "SLICE_MS", "TOKEN_SOURCE", "TokenView", "token_to
 
 LIVE_REFRESH_MS = 40  # ~25 redraws a second look smooth and leave the UI thread idle
 # Writing per event-loop turn. Qt's layout at the end of the slice and the paint after it
-# add as much again at times, and a turn must stay well under the 50 ms a user notices.
+# add as much again at times, and a turn must stay well under the bound a user notices
+# (docs/app.md#a-transcript-that-never-stalls).
 SLICE_MS = 8
 
 SOURCE_WORDS = {
