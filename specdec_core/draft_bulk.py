@@ -16,7 +16,8 @@ same in every grouping. The 4-bit one-call layers keep every forward under `MIN_
 rows (draft steps, the catch-up after a verify).
 
 The int8 copy costs memory and load time, so `speed_up_reads` keeps it only where a read
-of `PROBE_ROWS` tokens is clearly faster and the memory is there. `SPECDEC_DRAFT_BULK=0` turns it off (for A/B measurements).
+of `PROBE_ROWS` tokens is clearly faster and the memory is there. `SPECDEC_DRAFT_BULK=0`
+turns it off (for A/B measurements).
 """
 
 from __future__ import annotations

@@ -83,7 +83,8 @@ def figures_in(path: Path) -> list[str]:
     """`path:line: text` for each comment line of `path` that carries a timing figure."""
     source = path.read_text(encoding="utf-8")
     comments = python_comments(source) if path.suffix == ".py" else c_comments(source)
-    return [f"{path.relative_to(ROOT)}:{number}: {text.strip()}" for number, text in comments if _FIGURE.search(text)]
+    name = path.relative_to(ROOT)
+    return [f"{name}:{number}: {text.strip()}" for number, text in comments if _FIGURE.search(text)]
 
 
 def broken_doc_links(path: Path) -> list[str]:
@@ -110,7 +111,8 @@ def scanned_files() -> list[Path]:
 
 def test_no_comment_or_docstring_in_the_code_carries_a_timing_figure() -> None:
     found = [hit for path in scanned_files() for hit in figures_in(path)]
-    assert found == [], "timing figures in code comments (move them to docs/performance.md):\n" + "\n".join(found)
+    message = "timing figures in code comments (move them to docs/performance.md):\n"
+    assert found == [], message + "\n".join(found)
 
 
 def test_every_doc_section_a_code_comment_links_exists() -> None:
