@@ -33,7 +33,7 @@ import psutil
 import torch
 from torch import nn
 
-from . import cpu, native
+from . import native
 from .int4_cpu import LANES, Int4Linear
 from .kvcache import CachedModel
 from .progress import check_cancelled
@@ -91,7 +91,7 @@ def speed_up_reads(model: nn.Module, repeats: int = 3, cancel: threading.Event |
     if not layers or not linears or not all(getattr(layer, "one_call", None) is not None for layer in layers):
         return False
     # Where oneDNN's sums saturate (no VNNI or AMX), the draft would read prompts wrongly.
-    if not cpu.int8_sums_can_be_exact() or not onednn_sums_exactly((MIN_ROWS, PROBE_ROWS)):
+    if not onednn_sums_exactly((MIN_ROWS, PROBE_ROWS)):
         return False
     if psutil.virtual_memory().available - sum(m.out_features * m.in_features for m in linears) < SPARE_BYTES:
         return False

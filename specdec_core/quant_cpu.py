@@ -86,8 +86,11 @@ def kernel_name() -> str:
 def onednn_sums_exactly(row_counts: tuple[int, ...] = (1, 16)) -> bool:
     """Without VNNI, oneDNN multiplies u8 x s8 pairs into int16 and saturates: not exact.
 
-    Checked on the extreme values (255 x 127 in every pair) at each of `row_counts` rows.
+    Checked on the extreme values (255 x 127 in every pair) at each of `row_counts` rows,
+    where the CPU (as SPECDEC_ISA narrows it, cpu.py) has VNNI or AMX at all.
     """
+    if not cpu.int8_sums_can_be_exact():
+        return False
     weight = torch.full((64, 256), 127, dtype=torch.int8)
     weight[1::2] = -127
     for rows in row_counts:
