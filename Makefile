@@ -37,7 +37,7 @@ test: $(STAMP)
 
 # The best build ran above (SPECDEC_ISA unset); here the others, then none.
 test-isas: $(STAMP)
-	set -- $$($(PY) -m specdec_core.cpu --runnable-isas); shift; \
+	set -- $$($(PY) -m specdec_core.kernels.cpu --runnable-isas); shift; \
 	for isa in "$$@"; do \
 		echo "SPECDEC_ISA=$$isa"; \
 		SPECDEC_ISA=$$isa QT_QPA_PLATFORM=offscreen $(PY) -m pytest -q -p no:cacheprovider $(KERNEL_TESTS_ONCE) \
@@ -56,7 +56,7 @@ lint: $(STAMP)
 # source it carries changes. A fixed PYTHONHASHSEED is PyInstaller's advice for repeatable builds.
 BUNDLE := dist/specdec-chat/specdec-chat
 BUNDLE_STAMP := $(VENV)/.bundle-installed
-BUNDLE_INPUTS := packaging/specdec.spec packaging/launcher.py $(wildcard app/*.py specdec_core/*.py specdec_core/*.[ch] specdec_core/bench/*.py resources/*)
+BUNDLE_INPUTS := packaging/specdec.spec packaging/launcher.py $(wildcard app/*.py specdec_core/*.py specdec_core/*/*.py specdec_core/*/*.[ch] specdec_core/tools/bench/*.py resources/*)
 
 $(BUNDLE_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet -e ".[bundle]"

@@ -16,8 +16,10 @@ import sys
 from PySide6.QtCore import QEventLoop
 from PySide6.QtWidgets import QApplication, QMainWindow
 
+from specdec_core import prepare_process
+
 from . import gc_guard, qt_platform
-from .cli import chat_parser
+from .options import chat_parser
 
 _app: QApplication | None = None  # kept alive for windows built outside of main()
 
@@ -61,6 +63,11 @@ def build_main_window(argv: list[str]) -> QMainWindow:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        prepare_process()
+    except ImportError as exc:  # a transformers the core cannot drive, in one line
+        print(f"specdec-chat: error: {exc}", file=sys.stderr)
+        return 1
     logging.basicConfig(level=logging.INFO, format="specdec: %(message)s")
     if getattr(args, "smoke_test", None) is not None:
         return _smoke_test(args)

@@ -16,8 +16,8 @@ from typing import Any, Generic, TypeVar, overload
 
 from PySide6.QtCore import QByteArray, QSettings
 
-from .cli import THEMES
 from .conversations import DATA_DIR_ENV, data_dir
+from .options import THEMES
 
 KEY_TARGET = "models/target"
 KEY_DRAFT = "models/draft"

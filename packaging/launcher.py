@@ -9,7 +9,7 @@ so those arguments run the module, as a Python interpreter would.
 import runpy
 import sys
 
-HELPER_MODULES = ("specdec_core.conversion_process", "pip")
+HELPER_MODULES = ("specdec_core.models.conversion_process", "pip")
 
 if len(sys.argv) >= 3 and sys.argv[1] == "-m" and sys.argv[2] in HELPER_MODULES:
     module = sys.argv[2]

@@ -1,12 +1,14 @@
 """specdec_core: exact speculative decoding for local language models (Qt-free).
 
 Start at `session.ChatSession` (load a target and a drafter, answer a chat, stream
-typed events); `engine.SpeculativeEngine.generate()` is the engine underneath.
+typed events); `engine.speculative.SpeculativeEngine.generate()` is the loop underneath.
+docs/architecture.md shows the parts: `engine`, `models`, `kernels` and `tools`.
 
-The public names below are imported on first use (PEP 562), so that importing the
-package — which every `specdec` command does first — loads neither torch nor
-transformers: `specdec --help` stays fast and Ctrl-C during start-up lands in the
-CLI's handler, not in the middle of an import.
+`__all__` holds what a front end uses (the app, the CLI); tools and tests import the
+submodules. The names are imported on first use (PEP 562), so importing the package
+loads neither torch nor transformers and changes nothing in the process: `specdec
+--help` stays fast, and Ctrl-C during start-up lands in the CLI's handler. A program
+calls `prepare_process()` first, before torch loads (startup.py says why).
 """
 
 from __future__ import annotations
@@ -14,53 +16,32 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from . import openmp
-from ._requirements import check_requirements
-
-check_requirements()
-openmp.apply_defaults()  # before torch loads libgomp, which reads it once (openmp.py)
-
 _EXPORTS = {
-    "add_model_options": "cli",
-    "DEFAULT_DRAFT": "catalog",
-    "DEFAULT_TARGET": "catalog",
-    "ModelEntry": "catalog",
-    "load_catalog": "catalog",
     "ChatSession": "session",
-    "check_params": "session",
-    "DEVICES": "loading",
-    "PRECISIONS": "loading",
-    "Compatibility": "compat",
-    "rate_draft": "compat",
-    "Progress": "progress",
-    "ProgressCallback": "progress",
-    "Cancelled": "errors",
-    "ContextTooLong": "errors",
-    "InternalError": "errors",
-    "OutOfMemory": "errors",
     "LoadSpec": "session",
     "SessionInfo": "session",
-    "DraftSpec": "pair",
-    "Message": "chat",
-    "encode_chat": "chat",
-    "stop_token_ids": "chat",
-    "Drafter": "drafters",
-    "ModelDrafter": "drafters",
-    "NgramDrafter": "drafters",
-    "NoDrafter": "drafters",
-    "GenerationParams": "engine",
-    "MAX_DRAFT_LENGTH": "engine",
-    "SpeculativeEngine": "engine",
+    "GenerationParams": "engine.speculative",
+    "MAX_DRAFT_LENGTH": "engine.speculative",
+    "Event": "engine.events",
+    "PrefillEvent": "engine.events",
+    "ReadingEvent": "engine.events",
+    "StepEvent": "engine.events",
+    "TokenEvent": "engine.events",
+    "DoneEvent": "engine.events",
+    "GenerationStats": "engine.stats",
+    "Message": "models.chat",
+    "Compatibility": "models.compat",
+    "ModelEntry": "models.catalog",
+    "load_catalog": "models.catalog",
+    "DEFAULT_TARGET": "models.catalog",
+    "DEFAULT_DRAFT": "models.catalog",
+    "DEVICES": "models.loading",
+    "PRECISIONS": "models.loading",
+    "Progress": "progress",
     "SpecdecError": "errors",
-    "DoneEvent": "events",
-    "Event": "events",
-    "PrefillEvent": "events",
-    "ReadingEvent": "events",
-    "Source": "events",
-    "StepEvent": "events",
-    "TokenEvent": "events",
-    "GenerationStats": "stats",
-    "theoretical_speedup": "stats",
+    "Cancelled": "errors",
+    "add_model_options": "tools.cli",
+    "prepare_process": "startup",
 }
 
 __all__ = [
@@ -72,54 +53,38 @@ __all__ = [
     "Cancelled",
     "ChatSession",
     "Compatibility",
-    "ContextTooLong",
     "DoneEvent",
-    "DraftSpec",
-    "Drafter",
     "Event",
     "GenerationParams",
     "GenerationStats",
-    "InternalError",
     "LoadSpec",
     "Message",
-    "ModelDrafter",
     "ModelEntry",
-    "NgramDrafter",
-    "NoDrafter",
-    "OutOfMemory",
     "PrefillEvent",
     "Progress",
-    "ProgressCallback",
     "ReadingEvent",
     "SessionInfo",
-    "Source",
     "SpecdecError",
-    "SpeculativeEngine",
     "StepEvent",
     "TokenEvent",
     "add_model_options",
-    "check_params",
-    "encode_chat",
     "load_catalog",
-    "rate_draft",
-    "stop_token_ids",
-    "theoretical_speedup",
+    "prepare_process",
 ]
 
 if TYPE_CHECKING:
-    from .catalog import DEFAULT_DRAFT, DEFAULT_TARGET, ModelEntry, load_catalog
-    from .chat import Message, encode_chat, stop_token_ids
-    from .cli import add_model_options
-    from .compat import Compatibility, rate_draft
-    from .drafters import Drafter, ModelDrafter, NgramDrafter, NoDrafter
-    from .engine import MAX_DRAFT_LENGTH, GenerationParams, SpeculativeEngine
-    from .errors import Cancelled, ContextTooLong, InternalError, OutOfMemory, SpecdecError
-    from .events import DoneEvent, Event, PrefillEvent, ReadingEvent, Source, StepEvent, TokenEvent
-    from .loading import DEVICES, PRECISIONS
-    from .pair import DraftSpec
-    from .progress import Progress, ProgressCallback
-    from .session import ChatSession, LoadSpec, SessionInfo, check_params
-    from .stats import GenerationStats, theoretical_speedup
+    from .engine.events import DoneEvent, Event, PrefillEvent, ReadingEvent, StepEvent, TokenEvent
+    from .engine.speculative import MAX_DRAFT_LENGTH, GenerationParams
+    from .engine.stats import GenerationStats
+    from .errors import Cancelled, SpecdecError
+    from .models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET, ModelEntry, load_catalog
+    from .models.chat import Message
+    from .models.compat import Compatibility
+    from .models.loading import DEVICES, PRECISIONS
+    from .progress import Progress
+    from .session import ChatSession, LoadSpec, SessionInfo
+    from .startup import prepare_process
+    from .tools.cli import add_model_options
 
 
 def __getattr__(name: str) -> Any:

@@ -33,10 +33,10 @@ from typing import Any
 
 import torch
 
-from .chat import Message, encode_chat, encode_text
-from .compat import Compatibility, rate_draft
-from .drafters import NGRAM
-from .engine import MAX_DRAFT_LENGTH, GenerationParams, SpeculativeEngine
+from .engine.drafters import NGRAM
+from .engine.events import DoneEvent, Event
+from .engine.selfcheck import ExactnessReport, check_exactness
+from .engine.speculative import MAX_DRAFT_LENGTH, GenerationParams, SpeculativeEngine
 from .errors import (
     ContextTooLong,
     IncompatibleDraftError,
@@ -47,11 +47,11 @@ from .errors import (
     OutOfMemory,
     SpecdecError,
 )
-from .events import DoneEvent, Event
-from .loading import LoadedModel, load_model
-from .pair import DraftSpec, LoadedPair, load_draft, make_engine
+from .models.chat import Message, encode_chat, encode_text
+from .models.compat import Compatibility, rate_draft
+from .models.loading import LoadedModel, load_model
+from .models.pair import DraftSpec, LoadedPair, load_draft, make_engine
 from .progress import Progress, ProgressCallback, check_cancelled
-from .selfcheck import ExactnessReport, check_exactness
 
 log = logging.getLogger(__name__)
 

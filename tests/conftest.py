@@ -11,7 +11,11 @@ import pytest
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # unit tests never reach a hub
 
-from tiny import tiny_model, tiny_tokenizer
+from specdec_core import prepare_process
+
+prepare_process()  # as the product's entry points do, before torch loads
+
+from tiny import tiny_model, tiny_tokenizer  # noqa: E402 (torch loads after prepare_process)
 
 
 @pytest.fixture(scope="session")
@@ -47,7 +51,7 @@ def _collect_on_the_main_thread():
 @pytest.fixture(autouse=True, scope="session")
 def _check_the_cache_after_every_forward():
     """Every forward asserts that the KV cache holds exactly the tokens it believes it holds."""
-    from specdec_core import kvcache
+    from specdec_core.engine import kvcache
 
     kvcache.CHECK_INVARIANT = True
     yield
@@ -58,7 +62,7 @@ def _self_checks_finish_whatever_the_load():
     """The suite shares its cores with other processes: a self-check cut short by its time
     budget would make a test's label depend on the machine's load. Tests about the budget
     pass their own (tests/test_selfcheck.py)."""
-    from specdec_core import selfcheck
+    from specdec_core.engine import selfcheck
 
     saved = selfcheck.BUDGET_S
     selfcheck.BUDGET_S = 600.0

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 from tiny import tiny_model
 
-from specdec_core.adaptive import CARRY_WEIGHT, AcceptanceEstimate, CostModel, DraftLengthController
-from specdec_core.drafters import ModelDrafter
-from specdec_core.engine import GenerationParams, SpeculativeEngine
-from specdec_core.stats import theoretical_speedup
+from specdec_core.engine.adaptive import CARRY_WEIGHT, AcceptanceEstimate, CostModel, DraftLengthController
+from specdec_core.engine.drafters import ModelDrafter
+from specdec_core.engine.speculative import GenerationParams, SpeculativeEngine
+from specdec_core.engine.stats import theoretical_speedup
 
 # A verify of m tokens ~ (1 + 0.12 (m - 1)) target steps of 0.1 s, as on this 2-core CPU.
 CPU_VERIFY = {m: 0.10 * (1 + 0.12 * (m - 1)) for m in range(1, 10)}

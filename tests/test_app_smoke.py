@@ -8,9 +8,9 @@ import os
 from pathlib import Path
 
 import pytest
-from specdec_app.cli import chat_parser
 from specdec_app.conversations import DATA_DIR_ENV
 from specdec_app.main import run
+from specdec_app.options import chat_parser
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 from specdec_app.conversations import Conversation, ConversationStore, StoredMessage, StoredToken, title_from
 from specdec_app.markup import layout, owners
 
-from specdec_core.stats import GenerationStats
+from specdec_core.engine.stats import GenerationStats
 
 
 def test_code_fence_keeps_every_character_owned_by_its_token():

@@ -25,9 +25,9 @@ from specdec_app.settings import AppSettings
 from specdec_app.token_view import TOKEN_SOURCE, token_tooltip
 from tiny import perturbed, tiny_model, tiny_tokenizer
 
-from specdec_core import cli
-from specdec_core.compat import check_folders
 from specdec_core.errors import Cancelled
+from specdec_core.models.compat import check_folders
+from specdec_core.tools import cli
 
 LOAD_TIMEOUT_MS = 120_000  # generous: a loaded 2-core CI machine imports and loads slowly
 ANSWER_TIMEOUT_MS = 120_000
@@ -453,7 +453,14 @@ def test_closing_during_a_long_load_returns_at_once_and_cancels_it(qtbot, open_w
 def test_the_worker_forwards_core_events_in_batches_that_end_on_a_step(qapp, interval_s, batches):
     from specdec_app.worker import EngineWorker
 
-    from specdec_core.events import DoneEvent, PrefillEvent, ReadingEvent, Source, StepEvent, TokenEvent
+    from specdec_core.engine.events import (
+        DoneEvent,
+        PrefillEvent,
+        ReadingEvent,
+        Source,
+        StepEvent,
+        TokenEvent,
+    )
 
     def step(n: int) -> StepEvent:
         return StepEvent(n, 1, 1, 1, 1, 0.0, 0.0, 1.0, 1.0, 1.0)

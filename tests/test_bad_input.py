@@ -12,11 +12,12 @@ import pytest
 import torch
 from tiny import tiny_model
 
-from specdec_core import cli, loading
-from specdec_core.chat import Message, encode_chat
-from specdec_core.engine import GenerationParams
+from specdec_core.engine.speculative import GenerationParams
 from specdec_core.errors import ChatTemplateError, ModelLoadError, OutOfMemory
+from specdec_core.models import loading
+from specdec_core.models.chat import Message, encode_chat
 from specdec_core.session import ChatSession, LoadSpec
+from specdec_core.tools import cli
 
 
 def run_cli(capsys, *args: str, code: int = 2) -> str:
@@ -226,7 +227,7 @@ def test_ctrl_c_during_start_up_is_one_line(capsys, monkeypatch):
 
 def test_the_command_starts_without_importing_torch():
     """Everything heavy is imported inside main's handlers, where Ctrl-C is one line."""
-    code = "import sys, specdec_core.cli; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
+    code = "import sys, specdec_core.tools.cli; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "[]", out.stderr
 
@@ -240,16 +241,17 @@ def test_a_bug_is_one_line_with_exit_code_1(capsys, monkeypatch, tiny_folder):
     assert "internal error: AssertionError: an invariant broke" in err
 
 
-def test_an_old_transformers_is_refused_at_import_in_one_line(monkeypatch):
+def test_an_old_transformers_is_refused_in_one_line_before_anything_loads(monkeypatch, capsys):
     from importlib import metadata
 
-    from specdec_core import _requirements
+    from specdec_core.models import requirements
 
     monkeypatch.setattr(metadata, "version", lambda name: "5.0.0")
     with pytest.raises(ImportError) as err:
-        _requirements.check_requirements()
+        requirements.check_requirements()
     assert "transformers>=5.24.0,<6.0.0 but 5.0.0 is installed" in str(err.value)
     assert "\n" not in str(err.value)
+    run_cli(capsys, "--prompt", "hi", code=1)  # the command refuses before reading any argument
 
 
 # -- CUDA sizing (by reading: the GPU is faked) ------------------------------------------------

@@ -10,11 +10,11 @@ import torch
 from archs import ARCHS, WINDOW, arch_model
 from tiny import hf_greedy, perturbed, tiny_model
 
-from specdec_core.batch_invariant import NAME, make_batch_invariant, rowwise_refusal
-from specdec_core.drafters import ModelDrafter
-from specdec_core.engine import GenerationParams, SpeculativeEngine
-from specdec_core.kvcache import new_cache
-from specdec_core.quant_cpu import int8_available, quantize_linears_int8
+from specdec_core.engine.drafters import ModelDrafter
+from specdec_core.engine.kvcache import new_cache
+from specdec_core.engine.speculative import GenerationParams, SpeculativeEngine
+from specdec_core.kernels.batch_invariant import NAME, make_batch_invariant, rowwise_refusal
+from specdec_core.kernels.quant_cpu import int8_available, quantize_linears_int8
 
 PRECISIONS = ["fp32", "bf16", *(["int8"] if int8_available() else [])]
 
@@ -96,7 +96,7 @@ def test_bitsandbytes_layers_compute_their_dequantized_weights_at_one_row_count(
     pytest.importorskip("bitsandbytes")
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    from specdec_core.batch_invariant import dequantize_bnb
+    from specdec_core.kernels.batch_invariant import dequantize_bnb
 
     native = arch_model("qwen2", len(tokenizer))
     native.save_pretrained(tmp_path)

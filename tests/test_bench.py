@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdec_core.bench import (
+from specdec_core.errors import SpecdecError
+from specdec_core.kernels.threads import ThreadGovernor, default_governor
+from specdec_core.tools.bench import (
     METHODS,
     PEER_METHODS,
     BenchPrompt,
@@ -25,11 +27,9 @@ from specdec_core.bench import (
     runner,
     start_peers,
 )
-from specdec_core.bench.results import Result, prompt_results
-from specdec_core.bench.targets import TargetCheck, check_targets
-from specdec_core.cli import main
-from specdec_core.errors import SpecdecError
-from specdec_core.threads import ThreadGovernor, default_governor
+from specdec_core.tools.bench.results import Result, prompt_results
+from specdec_core.tools.bench.targets import TargetCheck, check_targets
+from specdec_core.tools.cli import main
 from tests.tiny import perturbed, tiny_model, tiny_tokenizer
 
 PROMPTS = [
@@ -433,7 +433,7 @@ def test_the_peers_own_cpu_time_is_not_taken_for_a_neighbours_load(monkeypatch: 
 
 
 def test_the_machine_line_names_the_kernels_build_and_old_results_still_render() -> None:
-    from specdec_core.bench_report import machine_info, machine_line
+    from specdec_core.tools.bench.render import machine_info, machine_line
 
     machine = machine_info()
     assert machine["cpu_kernels"] in (None, "avx2", "avx512-vnni", "scalar")

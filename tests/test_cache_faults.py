@@ -24,12 +24,13 @@ import pytest
 from test_fetch import FakeIndex, fetch
 from test_gguf_convert import CountingConverter, write, write_tiny_llama_gguf
 
-from specdec_core import cache, conversion_process, gguf_convert
-from specdec_core import fetch as fetch_module
-from specdec_core.cache_admin import verify_cache
-from specdec_core.cli import main
+from specdec_core import disk_cache as cache
 from specdec_core.errors import Cancelled, FetchError, SpecdecError
-from specdec_core.gguf_convert import SourceMismatch, convert_gguf, converted_dir
+from specdec_core.models import conversion_process, gguf_convert
+from specdec_core.models import fetch as fetch_module
+from specdec_core.models.cache_admin import verify_cache
+from specdec_core.models.gguf_convert import SourceMismatch, convert_gguf, converted_dir
+from specdec_core.tools.cli import main
 
 PART_SIZES = [3000, 3000, 1234]
 REPO = Path(__file__).resolve().parents[1]
@@ -370,7 +371,7 @@ def test_a_fetch_killed_mid_download_resumes_from_its_verified_chunks_and_leaves
 CONVERT_CHILD = """
 import sys, threading
 from pathlib import Path
-from specdec_core.gguf_convert import convert_gguf
+from specdec_core.models.gguf_convert import convert_gguf
 def converter(gguf_path, out_dir):
     (out_dir / "model.safetensors").write_bytes(b"half a model")
     print("READY", flush=True)
@@ -491,7 +492,7 @@ def cache_hub_snapshot(hf_cache: Path, repo_id: str, source: Path) -> Path:
 def test_verify_checks_hf_cache_snapshots_against_their_blob_names_and_drops_a_damaged_one(
     tmp_path, tiny_folder
 ):
-    from specdec_core import hub
+    from specdec_core.models import hub
 
     good = cache_hub_snapshot(tmp_path / "hf-hub", "acme/good", tiny_folder)
     bad = cache_hub_snapshot(tmp_path / "hf-hub", "acme/bad", tiny_folder)

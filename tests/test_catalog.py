@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 from huggingface_hub import constants as hub_constants
 
-from specdec_core import hub
-from specdec_core.catalog import (
+from specdec_core.errors import Cancelled, FetchError, ModelLoadError
+from specdec_core.models import hub
+from specdec_core.models.catalog import (
     DEFAULT_DRAFT,
     DEFAULT_TARGET,
     SMALL_MODEL,
@@ -20,9 +21,8 @@ from specdec_core.catalog import (
     load_catalog,
     parse_catalog,
 )
-from specdec_core.compat import VOCAB_MAX_SIZE_DIFFERENCE
-from specdec_core.errors import Cancelled, FetchError, ModelLoadError
-from specdec_core.refs import is_model_present, resolve_model_ref
+from specdec_core.models.compat import VOCAB_MAX_SIZE_DIFFERENCE
+from specdec_core.models.refs import is_model_present, resolve_model_ref
 
 # From issue 3, verified when the issue was filed.
 PINNED = {
@@ -64,7 +64,7 @@ def test_the_default_target_recommends_the_default_draft_and_they_share_a_vocabu
 def test_every_recommended_draft_shares_its_targets_vocabulary_and_is_smaller(tmp_path, monkeypatch):
     from huggingface_hub import constants as hub_constants
 
-    from specdec_core.compat import rate_draft
+    from specdec_core.models.compat import rate_draft
 
     monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "specdec-cache"))
     monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(tmp_path / "hf-hub"))

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from tiny import hf_greedy, perturbed, tiny_model, tiny_tokenizer
 
-from specdec_core.cli import main
+from specdec_core.tools.cli import main
 
 
 def generate_json(capsys, *args: str) -> dict:

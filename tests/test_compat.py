@@ -10,15 +10,15 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from specdec_core.catalog import DEFAULT_DRAFT, DEFAULT_TARGET, SMALL_MODEL
-from specdec_core.compat import (
+from specdec_core.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET, SMALL_MODEL
+from specdec_core.models.chat import stop_tokens
+from specdec_core.models.compat import (
     VOCAB_MAX_SIZE_DIFFERENCE,
     Compatibility,
     check_draft_compatibility,
     check_folders,
     compare_vocabularies,
     rate_draft,
-    stop_tokens,
 )
 
 SENTENCES = [

@@ -15,14 +15,14 @@ import torch
 from archs import ARCHS, arch_model
 from tiny import hf_greedy, perturbed
 
-from specdec_core import native
-from specdec_core.drafters import LookupThenModelDrafter, ModelDrafter, NgramDrafter, NoDrafter
-from specdec_core.engine import GenerationParams, SpeculativeEngine
-from specdec_core.events import ReadingEvent
-from specdec_core.int4_cpu import Int4Linear
-from specdec_core.loading import prepare_for_cpu
-from specdec_core.quant_cpu import int8_available
-from specdec_core.selfcheck import check_exactness
+from specdec_core.engine.drafters import LookupThenModelDrafter, ModelDrafter, NgramDrafter, NoDrafter
+from specdec_core.engine.events import ReadingEvent
+from specdec_core.engine.selfcheck import check_exactness
+from specdec_core.engine.speculative import GenerationParams, SpeculativeEngine
+from specdec_core.kernels import native
+from specdec_core.kernels.int4_cpu import Int4Linear
+from specdec_core.kernels.quant_cpu import int8_available
+from specdec_core.models.cpu_backend import prepare_for_cpu
 
 PRECISIONS = [
     "fp32",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specdec_core.detok import IncrementalDetokenizer
+from specdec_core.engine.detok import IncrementalDetokenizer
 
 
 def deltas_for(tokenizer, text: str) -> tuple[list[int], list[str]]:

@@ -11,17 +11,18 @@ import pytest
 import torch
 from tiny import hf_greedy, tiny_model
 
-from specdec_core import cpu, draft_bulk, native
-from specdec_core.batch_invariant import make_batch_invariant
-from specdec_core.draft_bulk import MIN_ROWS, PROBE_ROWS, BulkReads, has_bulk_reads, speed_up_reads
-from specdec_core.drafters import ModelDrafter
-from specdec_core.engine import GenerationParams, SpeculativeEngine
+from specdec_core.engine import draft_bulk
+from specdec_core.engine.draft_bulk import MIN_ROWS, PROBE_ROWS, BulkReads, has_bulk_reads, speed_up_reads
+from specdec_core.engine.drafters import ModelDrafter
+from specdec_core.engine.kvcache import CachedModel
+from specdec_core.engine.speculative import GenerationParams, SpeculativeEngine
 from specdec_core.errors import Cancelled
-from specdec_core.fused_int8 import fuse_int8_projections
-from specdec_core.int4_cpu import Int4Linear, quantize_linears_int4
-from specdec_core.kvcache import CachedModel
-from specdec_core.layers_cpu import speed_up_layers
-from specdec_core.quant_cpu import onednn_available, onednn_sums_exactly
+from specdec_core.kernels import cpu, native
+from specdec_core.kernels.batch_invariant import make_batch_invariant
+from specdec_core.kernels.fused_int8 import fuse_int8_projections
+from specdec_core.kernels.int4_cpu import Int4Linear, quantize_linears_int4
+from specdec_core.kernels.layers_cpu import speed_up_layers
+from specdec_core.kernels.quant_cpu import onednn_available, onednn_sums_exactly
 
 pytestmark = pytest.mark.skipif(
     native.unavailable() is not None or not onednn_available(), reason="no C kernels or no oneDNN here"

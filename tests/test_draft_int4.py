@@ -10,14 +10,14 @@ import torch
 from tiny import hf_greedy, tiny_model
 from transformers import DynamicCache
 
-from specdec_core import draft_int4
-from specdec_core.batch_invariant import make_batch_invariant
-from specdec_core.bench import step_bytes
-from specdec_core.drafters import ModelDrafter
-from specdec_core.engine import GenerationParams, SpeculativeEngine
-from specdec_core.events import DoneEvent
-from specdec_core.fused_int8 import fuse_int8_projections
-from specdec_core.quant_cpu import PerTokenInt8Linear, int8_available, quantize_linears_int8
+from specdec_core.engine.drafters import ModelDrafter
+from specdec_core.engine.events import DoneEvent
+from specdec_core.engine.speculative import GenerationParams, SpeculativeEngine
+from specdec_core.kernels import draft_int4
+from specdec_core.kernels.batch_invariant import make_batch_invariant
+from specdec_core.kernels.fused_int8 import fuse_int8_projections
+from specdec_core.kernels.quant_cpu import PerTokenInt8Linear, int8_available, quantize_linears_int8
+from specdec_core.tools.bench import step_bytes
 
 pytestmark = pytest.mark.skipif(
     not (int8_available() and draft_int4.int4_available()),

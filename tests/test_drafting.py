@@ -8,8 +8,8 @@ import torch
 from test_sampling_exactness import SAMPLES, VOCAB, chi_square_pvalue, tiny_vocab_tokenizer
 from tiny import hf_greedy, perturbed, tiny_model
 
-from specdec_core.adaptive import ConfidenceCalibration, CostModel, DraftLengthController
-from specdec_core.drafters import (
+from specdec_core.engine.adaptive import ConfidenceCalibration, CostModel, DraftLengthController
+from specdec_core.engine.drafters import (
     DraftPlan,
     DraftSource,
     LookupThenModelDrafter,
@@ -18,11 +18,11 @@ from specdec_core.drafters import (
     NoDrafter,
     one_hot_rows,
 )
-from specdec_core.engine import GenerationParams, SpeculativeEngine
-from specdec_core.events import DoneEvent, StepEvent, TokenEvent
-from specdec_core.policy import PLAIN, Choice, SourcePolicy
-from specdec_core.selfcheck import BITWISE, ExactnessReport
-from specdec_core.stats import GenerationStats, speedup_bound, theoretical_speedup
+from specdec_core.engine.events import DoneEvent, StepEvent, TokenEvent
+from specdec_core.engine.policy import PLAIN, Choice, SourcePolicy
+from specdec_core.engine.selfcheck import BITWISE, ExactnessReport
+from specdec_core.engine.speculative import GenerationParams, SpeculativeEngine
+from specdec_core.engine.stats import GenerationStats, speedup_bound, theoretical_speedup
 
 # Shaped after this 2-core CPU: a verify of m tokens ~ (1 + 0.12 (m - 1)) target steps,
 # a draft forward half a target step (docs/performance.md).

@@ -8,12 +8,12 @@ import threading
 import pytest
 from tiny import hf_greedy, perturbed, tiny_model
 
-from specdec_core.chat import Message, encode_chat
-from specdec_core.drafters import LookupThenModelDrafter, ModelDrafter, NgramDrafter, NoDrafter
-from specdec_core.engine import GenerationParams, SpeculativeEngine
-from specdec_core.events import DoneEvent, PrefillEvent, ReadingEvent, Source, StepEvent, TokenEvent
-from specdec_core.loading import prepare_for_cpu
-from specdec_core.selfcheck import NEAR_TIES, UNVERIFIED, ExactnessReport, check_exactness
+from specdec_core.engine.drafters import LookupThenModelDrafter, ModelDrafter, NgramDrafter, NoDrafter
+from specdec_core.engine.events import DoneEvent, PrefillEvent, ReadingEvent, Source, StepEvent, TokenEvent
+from specdec_core.engine.selfcheck import NEAR_TIES, UNVERIFIED, ExactnessReport, check_exactness
+from specdec_core.engine.speculative import GenerationParams, SpeculativeEngine
+from specdec_core.models.chat import Message, encode_chat
+from specdec_core.models.cpu_backend import prepare_for_cpu
 
 
 def run(engine: SpeculativeEngine, prompt: list[int], **params) -> DoneEvent:

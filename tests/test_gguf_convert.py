@@ -13,18 +13,18 @@ import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from specdec_core import conversion_process, gguf_convert
-from specdec_core.cache import kernels_dir
-from specdec_core.cache_admin import clear_cache, list_cache
+from specdec_core.disk_cache import kernels_dir
 from specdec_core.errors import Cancelled, ModelLoadError
-from specdec_core.gguf_convert import (
+from specdec_core.models import conversion_process, gguf_convert
+from specdec_core.models.cache_admin import clear_cache, list_cache
+from specdec_core.models.gguf_convert import (
     cache_dir,
     convert_gguf,
     converted_dir,
     file_sha256,
     remembered_sha256,
 )
-from specdec_core.refs import resolve_model_ref
+from specdec_core.models.refs import resolve_model_ref
 
 
 @pytest.fixture(autouse=True)

@@ -8,11 +8,12 @@ import pytest
 import torch
 from tiny import tiny_model
 
-from specdec_core import huge_pages, loading, native
-from specdec_core.huge_pages import HUGE_PAGE, place_in_huge_pages
-from specdec_core.int4_cpu import Int4Linear
-from specdec_core.kvcache import CachedModel
-from specdec_core.loading import prepare_for_cpu
+from specdec_core.engine.kvcache import CachedModel
+from specdec_core.kernels import huge_pages, native
+from specdec_core.kernels.huge_pages import HUGE_PAGE, place_in_huge_pages
+from specdec_core.kernels.int4_cpu import Int4Linear
+from specdec_core.models import loading
+from specdec_core.models.cpu_backend import prepare_for_cpu
 
 needs_kernel = pytest.mark.skipif(native.unavailable() is not None, reason=str(native.unavailable()))
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from specdec_core import kernel_files, native
-from specdec_core.cli import main
-from specdec_core.native import KernelUnavailable
+from specdec_core.kernels import kernel_files, native
+from specdec_core.kernels.native import KernelUnavailable
+from specdec_core.tools.cli import main
 
 FLAGS = ("-mavx2",)  # what the fake compilers are given; they ignore it
 NOBODY = 65534

@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 from huggingface_hub import constants as hub_constants
 
-from specdec_core import cli_models, gguf_convert, refs
-from specdec_core.catalog import DEFAULT_DRAFT, DEFAULT_TARGET, SMALL_MODEL, load_catalog
-from specdec_core.cli_models import register
 from specdec_core.errors import SpecdecError
+from specdec_core.models import gguf_convert, refs
+from specdec_core.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET, SMALL_MODEL, load_catalog
 from specdec_core.progress import Progress, TerminalProgress
+from specdec_core.tools import cli_models
+from specdec_core.tools.cli_models import register
 
 
 @pytest.fixture(autouse=True)

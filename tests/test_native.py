@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdec_core import attention_cpu, cpu, int4_cpu, native
-from specdec_core.batch_invariant import rowwise_attention
-from specdec_core.native import KernelUnavailable
+from specdec_core.kernels import attention_cpu, cpu, int4_cpu, native
+from specdec_core.kernels.batch_invariant import rowwise_attention
+from specdec_core.kernels.native import KernelUnavailable
 
 needs_kernel = pytest.mark.skipif(native.unavailable() is not None, reason=str(native.unavailable()))
 SCALAR = native.ISA_FLAGS["scalar"]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from specdec_app import main, qt_platform
-from specdec_app.cli import chat_parser
+from specdec_app.options import chat_parser
 
 ON_LINUX = sys.platform.startswith("linux")
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 from tiny import hf_greedy
 
-from specdec_core import cpu
-from specdec_core.drafters import ModelDrafter, NgramDrafter
-from specdec_core.engine import GenerationParams, SpeculativeEngine
-from specdec_core.quant_cpu import (
+from specdec_core.engine.drafters import ModelDrafter, NgramDrafter
+from specdec_core.engine.speculative import GenerationParams, SpeculativeEngine
+from specdec_core.kernels import cpu
+from specdec_core.kernels.quant_cpu import (
     KERNEL_ENV,
     ONEDNN_ISA_ENV,
     OnednnInt8,
@@ -119,14 +119,15 @@ def test_int8_speculative_output_equals_int8_greedy(tokenizer, int8_target, draf
 
 @pytest.mark.parametrize("precision", ["int8", "int4"])
 def test_a_quantized_model_keeps_nothing_of_the_checkpoint_file_mapped(tiny_folder, precision):
-    from specdec_core import loading, native
+    from specdec_core.kernels import native
+    from specdec_core.models import cpu_backend, loading
 
     if precision == "int4" and native.unavailable() is not None:
         pytest.skip(native.unavailable())
     if precision == "int8" and not int8_available():
         pytest.skip("no int8 kernel on this CPU")
     model = loading.load_model(str(tiny_folder), device="cpu", precision=precision).model
-    files = loading._file_mappings()
+    files = cpu_backend._file_mappings()
     assert files  # the test reads Linux's map of the process (shared libraries at least)
     in_file = [
         name

@@ -15,10 +15,10 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from specdec_core.acceptance import accept_sampled
-from specdec_core.drafters import ModelDrafter, NgramDrafter
-from specdec_core.engine import GenerationParams, SpeculativeEngine
-from specdec_core.sampling import SamplingParams
+from specdec_core.engine.acceptance import accept_sampled
+from specdec_core.engine.drafters import ModelDrafter, NgramDrafter
+from specdec_core.engine.sampling import SamplingParams
+from specdec_core.engine.speculative import GenerationParams, SpeculativeEngine
 
 VOCAB = 12
 SAMPLES = 1500  # engine runs per statistical test: ~20 s on 2 cores

@@ -7,13 +7,13 @@ import copy
 import pytest
 import torch
 
-from specdec_core import native
-from specdec_core.batch_invariant import ROWS, make_batch_invariant
-from specdec_core.engine import MAX_DRAFT_LENGTH, SpeculativeEngine
-from specdec_core.loading import prepare_for_cpu
-from specdec_core.quant_cpu import int8_available, quantize_linears_int8
-from specdec_core.selfcheck import BITWISE, NEAR_TIES, UNVERIFIED, VERIFY_ROWS, check_exactness
-from specdec_core.threads import ThreadGovernor
+from specdec_core.engine.selfcheck import BITWISE, NEAR_TIES, UNVERIFIED, VERIFY_ROWS, check_exactness
+from specdec_core.engine.speculative import MAX_DRAFT_LENGTH, SpeculativeEngine
+from specdec_core.kernels import native
+from specdec_core.kernels.batch_invariant import ROWS, make_batch_invariant
+from specdec_core.kernels.quant_cpu import int8_available, quantize_linears_int8
+from specdec_core.kernels.threads import ThreadGovernor
+from specdec_core.models.cpu_backend import prepare_for_cpu
 
 
 @pytest.fixture(scope="module")

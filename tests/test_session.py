@@ -10,8 +10,8 @@ import torch
 from tiny import hf_greedy, perturbed, tiny_model, tiny_tokenizer
 
 from specdec_core import session as session_module
-from specdec_core.chat import Message
-from specdec_core.engine import GenerationParams
+from specdec_core.engine.events import DoneEvent, TokenEvent
+from specdec_core.engine.speculative import GenerationParams
 from specdec_core.errors import (
     ContextTooLong,
     IncompatibleDraftError,
@@ -20,7 +20,7 @@ from specdec_core.errors import (
     NotLoaded,
     OutOfMemory,
 )
-from specdec_core.events import DoneEvent, TokenEvent
+from specdec_core.models.chat import Message
 from specdec_core.session import ChatSession, LoadSpec, check_params
 
 GREEDY = GenerationParams(max_new_tokens=16)

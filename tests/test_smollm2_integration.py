@@ -15,8 +15,8 @@ import time
 import pytest
 import torch
 
-from specdec_core.catalog import SMALL_MODEL, load_catalog
-from specdec_core.refs import resolve_model_ref
+from specdec_core.models.catalog import SMALL_MODEL, load_catalog
+from specdec_core.models.refs import resolve_model_ref
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]
 

@@ -15,15 +15,15 @@ import torch
 from tiny import tiny_model
 from transformers import DynamicCache
 
-from specdec_core import native, openmp, threads
-from specdec_core.batch_invariant import make_batch_invariant
-from specdec_core.engine import GenerationParams, SpeculativeEngine
+from specdec_core.engine.events import ReadingEvent
+from specdec_core.engine.selfcheck import check_exactness
+from specdec_core.engine.speculative import GenerationParams, SpeculativeEngine
 from specdec_core.errors import SpecdecError
-from specdec_core.events import ReadingEvent
-from specdec_core.loading import prepare_for_cpu
-from specdec_core.quant_cpu import int8_available, quantize_linears_int8
-from specdec_core.selfcheck import check_exactness
-from specdec_core.threads import ThreadGovernor, default_governor, parse_threads_setting
+from specdec_core.kernels import native, openmp, threads
+from specdec_core.kernels.batch_invariant import make_batch_invariant
+from specdec_core.kernels.quant_cpu import int8_available, quantize_linears_int8
+from specdec_core.kernels.threads import ThreadGovernor, default_governor, parse_threads_setting
+from specdec_core.models.cpu_backend import prepare_for_cpu
 
 
 class ScriptedLoad:
@@ -245,8 +245,8 @@ def test_int8_logits_are_bitwise_equal_at_one_and_two_threads(tokenizer, restore
 
 
 def test_under_load_times_every_condition_and_restores_the_governor(target, tokenizer) -> None:
-    from specdec_core.bench import measure_under_load
-    from specdec_core.bench_report import under_load_markdown
+    from specdec_core.tools.bench import measure_under_load
+    from specdec_core.tools.bench.render import under_load_markdown
 
     governor = default_governor()
     saved = governor.pinned

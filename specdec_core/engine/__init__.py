@@ -1,0 +1,7 @@
+"""The speculative decoding loop: drafters propose, the target verifies, the answer streams.
+
+`speculative.SpeculativeEngine.generate()` is the loop; `drafters` the proposers,
+`acceptance` and `sampling` the rules that keep the target's output, `adaptive` and
+`policy` how many tokens to draft, `kvcache` the caches both models keep, `selfcheck`
+the proof at load that a verify computes what a plain step does. Knows nothing of files.
+"""

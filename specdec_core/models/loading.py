@@ -1,0 +1,404 @@
+"""Load one model reference onto a device at a precision, refusing what is wrong in one line.
+
+Precision choices (`auto` picks the fastest that fits and says what it chose):
+- CPU: `int4` is our batch-invariant 4-bit kernel (int4_cpu; fewer bytes a step than
+  int8; it needs AVX2 (or AVX-512 VNNI) and a C compiler, and `auto` takes it where it runs);
+  `int8` our batch-invariant per-token int8 (see quant_cpu; several times fp32's speed),
+  `bf16`, `fp32`; `nf4` goes through bitsandbytes' CPU backend (far slower than our int8:
+  docs/performance.md#measurements-behind-the-design), allowed but never picked by `auto`.
+- CUDA: `bf16` (`fp16` where bf16 is unsupported) when the weights fit in 3/4 of the
+  free memory, else `nf4` (bitsandbytes); `int8` is bitsandbytes' LLM.int8(). The size
+  is counted in parameters from the safetensors headers, so a bf16 and an fp32
+  checkpoint of one model size alike. `offload=True` lets accelerate place what does
+  not fit on the CPU (`device_map="auto"`: slow, but it runs); on CPU it changes nothing.
+
+A model must be what it claims: a causal LM by its declared architecture, with every
+weight that architecture needs present in the checkpoint and none left over (tied
+embeddings are fine). Custom modelling code (`auto_map`) never runs unless the caller
+opts in with `trust_remote_code=True`; transformers is told so explicitly everywhere,
+so it never stops to ask on a terminal.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import struct
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import ModelLoadError, OutOfMemory
+from ..kernels import native
+from ..kernels.batch_invariant import make_batch_invariant
+from ..kernels.quant_cpu import int8_available
+from ..progress import Progress, ProgressCallback, check_cancelled
+from .cpu_backend import prepare_for_cpu
+from .refs import resolve_model_ref
+from .requirements import check_requirements
+
+DEVICES = ("auto", "cpu", "cuda")
+PRECISIONS = ("auto", "fp32", "bf16", "fp16", "int8", "int4", "nf4")
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Bytes a parameter takes in memory at each precision (nf4: 4 bits plus block scales).
+_BYTES_PER_PARAM = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0, "int4": 0.63, "nf4": 0.56}
+# Share of free GPU memory the weights may take; the rest is KV cache and activations.
+_WEIGHTS_SHARE = 0.75
+TRUST_REMOTE_CODE_HINT = "pass --trust-remote-code to run it, only if you trust its author"
+
+
+@dataclass
+class LoadedModel:
+    ref: str
+    path: Path
+    model: Any  # a transformers PreTrainedModel (causal LM), eval mode
+    tokenizer: Any
+    device: str
+    precision: str
+    offloaded: bool = False  # some layers live on the CPU (device_map="auto")
+
+    @property
+    def description(self) -> str:
+        """What the user sees, e.g. "cpu · int8"."""
+        return f"{self.device} · {self.precision}" + (" · offload" if self.offloaded else "")
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.config.get_text_config().vocab_size)
+
+    @property
+    def context_length(self) -> int | None:
+        return context_length(self.model.config)
+
+    @property
+    def name(self) -> str:
+        return Path(self.ref).name if Path(self.ref).exists() else self.ref
+
+
+def context_length(config: Any) -> int | None:
+    """Positions the model can attend over, from its config (None when it does not say)."""
+    text = config.get_text_config()
+    for key in ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length", "seq_length"):
+        value = getattr(text, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def resolve_device(device: str) -> str:
+    if device not in DEVICES:
+        raise ModelLoadError(f"unknown device {device!r}: use one of {', '.join(DEVICES)}")
+    cuda = torch.cuda.is_available()
+    if device == "cuda" and not cuda:
+        raise ModelLoadError(
+            f"CUDA was requested but torch {torch.__version__} sees no GPU; use --device cpu "
+            "(or install a CUDA build of torch, see README)"
+        )
+    if device == "auto":
+        return "cuda" if cuda else "cpu"
+    return device
+
+
+def resolve_precision(precision: str, device: str, parameters: int, *, offload: bool = False) -> str:
+    """`auto`: the fastest precision whose weights fit in the device's free memory."""
+    if precision not in PRECISIONS:
+        raise ModelLoadError(f"unknown precision {precision!r}: use one of {', '.join(PRECISIONS)}")
+    if precision == "int4":
+        _check_int4(device)
+    if precision != "auto":
+        return precision
+    if device == "cpu":
+        # 4 bits read fewer bytes a step than int8 at the same perplexity
+        # (docs/engine.md#the-cpu-4-bit-path-int4_cpupy-int4_cpuc).
+        # The scalar build does its dot products a value at a time: there int8 is the fast one.
+        if native.unavailable() is None and native.isa() != "scalar":
+            return "int4"
+        return "int8" if int8_available() else "bf16"
+    half = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    if offload:
+        return half  # what does not fit goes to the CPU
+    free, _ = torch.cuda.mem_get_info()
+    budget = _WEIGHTS_SHARE * free
+    for choice in (half, "nf4"):
+        if parameters * _BYTES_PER_PARAM[choice] <= budget:
+            return choice
+    raise OutOfMemory(
+        f"the model has {parameters / 1e9:.1f}B parameters: even at nf4 its weights "
+        f"(~{parameters * _BYTES_PER_PARAM['nf4'] / 2**30:.1f} GiB) exceed 3/4 of the GPU's "
+        f"{free / 2**30:.1f} GiB free; use --offload (slow) or --device cpu"
+    )
+
+
+def _check_int4(device: str) -> None:
+    if device != "cpu":
+        raise ModelLoadError("int4 is a CPU precision; on a GPU use nf4")
+    reason = native.unavailable()
+    if reason:
+        raise ModelLoadError(reason)
+
+
+def load_model(
+    ref: str,
+    *,
+    device: str = "auto",
+    precision: str = "auto",
+    offload: bool = False,
+    trust_remote_code: bool = False,
+    progress: ProgressCallback | None = None,
+    cancel: threading.Event | None = None,
+) -> LoadedModel:
+    check_requirements()  # a library user may not have called startup.prepare_process
+    device = resolve_device(device)
+    path = resolve_path(ref, progress=progress, cancel=cancel)
+    config = load_config(path, ref, trust_remote_code)
+    precision = resolve_precision(precision, device, checkpoint_parameters(path, config), offload=offload)
+    check_cancelled(cancel)
+    if progress:
+        progress(Progress(f"Loading {Path(ref).name or ref} ({device} · {precision})", 0, 0))
+    tokenizer = load_tokenizer(path, ref, trust_remote_code)
+    model = _load_weights(path, ref, device, precision, offload=offload and device == "cuda",
+                          trust_remote_code=trust_remote_code)  # fmt: skip
+    rows = model.get_input_embeddings().num_embeddings
+    if len(tokenizer) > rows:
+        raise ModelLoadError(
+            f"{ref}: its tokenizer has {len(tokenizer)} tokens but the model embeds only {rows}"
+        )
+    check_cancelled(cancel)
+    offloaded = any(str(d) in ("cpu", "disk") for d in (getattr(model, "hf_device_map", None) or {}).values())
+    return LoadedModel(ref=ref, path=path, model=model, tokenizer=tokenizer, device=device,
+                       precision=precision, offloaded=offloaded and device == "cuda")  # fmt: skip
+
+
+def resolve_path(
+    ref: str, *, progress: ProgressCallback | None = None, cancel: threading.Event | None = None
+) -> Path:
+    """`refs.resolve_model_ref`, with a malformed reference as a one-line error."""
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        return resolve_model_ref(ref, progress=progress, cancel=cancel)
+    except HFValidationError as exc:
+        raise ModelLoadError(
+            f"{ref!r} is not a model folder, .gguf file, catalog name or hub id owner/name "
+            f"({_first_line(exc)})"
+        ) from exc
+
+
+def load_config(path: Path, ref: str, trust_remote_code: bool) -> Any:
+    """The model's config, refusing custom code it was not allowed to run and non-causal models."""
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    try:
+        raw = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"{ref}: cannot read config.json ({_first_line(exc)})") from exc
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"{ref}: config.json is not a JSON object")
+    model_type = raw.get("model_type")
+    if model_type not in CONFIG_MAPPING and not trust_remote_code:
+        if raw.get("auto_map"):
+            raise ModelLoadError(
+                f"{ref} needs its own Python code to run (model type {model_type!r}, auto_map); "
+                f"specdec does not run a model's code by default: {TRUST_REMOTE_CODE_HINT}"
+            )
+        raise ModelLoadError(
+            f"{ref}: unknown model type {model_type!r} (this transformers does not know it; "
+            "a newer transformers may)"
+        )
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ModelLoadError(f"{ref}: cannot read its config ({_first_line(exc)})") from exc
+    check_causal_lm(config, ref)
+    return config
+
+
+def check_causal_lm(config: Any, ref: str) -> None:
+    """Refuse a checkpoint whose declared architecture is not a causal LM (e.g. BertModel).
+
+    transformers would load a BertModel folder as BertLMHeadModel with a freshly
+    initialised head and generate noise; the config's `architectures` says what the
+    weights were trained as.
+    """
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    architectures = list(getattr(config, "architectures", None) or [])
+    causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    if architectures and not any(
+        a in causal or a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures
+    ):
+        raise ModelLoadError(
+            f"{ref} is not a causal language model ({', '.join(architectures)}): it cannot generate text"
+        )
+    unknown = config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    if not architectures and unknown and not getattr(config, "auto_map", None):
+        raise ModelLoadError(f"{ref} is not a causal language model ({config.model_type})")
+
+
+def load_tokenizer(path: Path, ref: str, trust_remote_code: bool = False) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ModelLoadError(f"{ref}: cannot load its tokenizer ({_first_line(exc)})") from exc
+
+
+def _load_weights(
+    path: Path, ref: str, device: str, precision: str, *, offload: bool, trust_remote_code: bool
+) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    kwargs = _placement(device, precision, offload)
+    kwargs["trust_remote_code"] = trust_remote_code
+    try:
+        # With output_loading_info, from_pretrained returns (model, loading info).
+        loaded: Any = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True, **kwargs)
+        model, info = loaded
+    except (torch.OutOfMemoryError, MemoryError) as exc:
+        raise OutOfMemory(
+            f"out of memory loading {ref} at {precision} on {device}; {_oom_hint(device, precision)}"
+        ) from exc
+    except Exception as exc:
+        mapped = _weights_error(exc, ref)
+        if mapped is None:  # not a failure we know: a bug to report, with its traceback
+            raise
+        raise mapped from exc
+    _check_loading_info(info, ref)
+    if device == "cpu":
+        prepare_for_cpu(model, precision)
+    else:
+        # cuBLAS and SDPA pick kernels by row count: without this, a verify and plain
+        # steps differ and speculation changes the text (docs/engine.md#where-near-ties-may-differ).
+        make_batch_invariant(model)
+    return model.eval()
+
+
+def _oom_hint(device: str, precision: str) -> str:
+    smaller = {"fp32": ["bf16", "int8"], "bf16": ["int8"], "fp16": ["int8"], "int8": ["int4"]}.get(
+        precision, []
+    )
+    if device == "cuda":
+        smaller = {"bf16": ["nf4"], "fp16": ["nf4"], "fp32": ["bf16", "nf4"], "int8": ["nf4"]}.get(
+            precision, []
+        )
+    tries = [f"--precision {p}" for p in smaller] + (["--offload"] if device == "cuda" else [])
+    tries.append("a smaller model")
+    return "try " + ", ".join(tries[:-1]) + (" or " if len(tries) > 1 else "") + tries[-1]
+
+
+def _placement(device: str, precision: str, offload: bool) -> dict[str, Any]:
+    """from_pretrained's dtype / quantization / device_map for a device and precision."""
+    # transformers otherwise swaps layers (rotary, norms) for kernels fetched from the hub:
+    # a load that needs the network, and numbers that are no longer the ones the
+    # batch-invariant hooks and the self-check were built for.
+    kwargs: dict[str, Any] = {"use_kernels": False}
+    gpu_map: Any = "auto" if offload else {"": 0}
+    if precision in ("int8", "nf4") and (device == "cuda" or precision == "nf4"):
+        kwargs["quantization_config"] = _bitsandbytes_config(precision, offload)
+        kwargs["device_map"] = gpu_map if device == "cuda" else {"": "cpu"}
+    elif precision in ("int8", "int4"):  # our CPU paths: load in fp32, quantize the linears
+        kwargs["dtype"] = torch.float32
+    else:
+        kwargs["dtype"] = _DTYPES[precision]
+        if device == "cuda":
+            kwargs["device_map"] = gpu_map
+    return kwargs
+
+
+def _weights_error(exc: Exception, ref: str) -> ModelLoadError | None:
+    """The one line for a failure inside from_pretrained."""
+    from safetensors import SafetensorError
+
+    text = _first_line(exc)
+    if isinstance(exc, ValueError) and "Unrecognized configuration class" in text:
+        return ModelLoadError(f"{ref} is not a causal language model ({text})")
+    if isinstance(exc, SafetensorError | struct.error | EOFError):
+        return ModelLoadError(
+            f"{ref}: the weights file is damaged or incomplete ({text}); fetch or copy it again"
+        )
+    if "mmap" in text:
+        return ModelLoadError(
+            f"{ref}: cannot map the weights into memory ({text}); free memory or raise the "
+            "address-space limit (ulimit -v)"
+        )
+    if isinstance(exc, OSError):
+        return ModelLoadError(f"{ref}: cannot read the weights ({text})")
+    if isinstance(exc, ValueError | KeyError | RuntimeError):  # shapes, dtypes, config fields
+        return ModelLoadError(f"{ref}: cannot load the weights ({type(exc).__name__}: {text})")
+    return None
+
+
+def _check_loading_info(info: dict[str, Any], ref: str) -> None:
+    """Missing or left-over weights mean the checkpoint is not the model it claims to be."""
+    problems = []
+    for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"):
+        keys = sorted(str(k[0] if isinstance(k, tuple) else k) for k in info.get(kind) or ())
+        if keys:
+            shown = ", ".join(keys[:4]) + (f" and {len(keys) - 4} more" if len(keys) > 4 else "")
+            problems.append(f"{kind.replace('_keys', '')} weights: {shown}")
+    if problems:
+        raise ModelLoadError(f"{ref}: the checkpoint does not match its architecture ({'; '.join(problems)})")
+
+
+def _bitsandbytes_config(precision: str, offload: bool = False) -> Any:
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ModelLoadError(f"precision {precision} needs bitsandbytes: pip install bitsandbytes")
+    from transformers import BitsAndBytesConfig
+
+    if precision == "nf4":
+        compute = (
+            torch.bfloat16 if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else torch.float32
+        )
+        return BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_compute_dtype=compute,
+            bnb_4bit_use_double_quant=True,
+            llm_int8_enable_fp32_cpu_offload=offload,
+        )
+    return BitsAndBytesConfig(load_in_8bit=True, llm_int8_enable_fp32_cpu_offload=offload)
+
+
+def checkpoint_parameters(path: Path, config: Any = None) -> int:
+    """Parameters in the checkpoint: counted from safetensors headers (no tensor is read),
+    else estimated from .bin sizes at the config's dtype (2 bytes when it does not say)."""
+    total = 0
+    for file in sorted(path.glob("*.safetensors")):
+        total += _safetensors_parameters(file)
+    if total:
+        return total
+    size = sum(f.stat().st_size for f in path.glob("*.bin"))
+    dtype = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "")
+    return int(size / (4 if "float32" in dtype else 2))
+
+
+def _safetensors_parameters(file: Path) -> int:
+    try:
+        with file.open("rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            if length > 100 * 2**20:
+                raise ValueError(f"header length {length}")
+            header = json.loads(f.read(length))
+        return sum(_numel(t["shape"]) for name, t in header.items() if name != "__metadata__")
+    except (OSError, struct.error, ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(
+            f"{file}: the weights file is damaged or incomplete (unreadable header: {_first_line(exc)}); "
+            "fetch or copy it again"
+        ) from exc
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for dim in shape:
+        n *= int(dim)
+    return n
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__

