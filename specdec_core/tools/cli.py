@@ -29,7 +29,12 @@ if TYPE_CHECKING:
     from ..session import ChatSession, LoadSpec
 
 # Subcommand modules contributed by other parts; each has `register(subparsers)`.
-_PLUGINS = ("specdec_core.tools.cli_models", "specdec_core.tools.cli_bench", "specdec_app.cli")
+_PLUGINS = (
+    "specdec_core.tools.cli_models",
+    "specdec_core.tools.cli_bench",
+    "specdec_core.tools.cli_eval",
+    "specdec_app.cli",
+)
 
 
 def add_model_options(parser: argparse.ArgumentParser, draft_default: str | None = None) -> None:

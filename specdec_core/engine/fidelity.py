@@ -1,0 +1,110 @@
+"""How far a model's next-token distributions are from a reference's, on the same text.
+
+Exactness makes the answer the loaded target's own; fidelity says how far that target is
+from the weights the user meant (the file's, in fp32). Measured the way llama.cpp's
+`llama-perplexity` does, so the figures compare with its: the text is cut into chunks of
+`ctx` tokens, each read from an empty cache, and only the second half of each chunk is
+scored (every scored token then has at least ctx/2 tokens of context).
+
+Per scored position: the model's and the reference's log-probabilities of the next
+token (perplexity), KL(reference || model) over the whole vocabulary, and whether both
+put the same token first.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from .kvcache import CachedModel
+
+DEFAULT_CTX = 512  # llama-perplexity's default context
+
+
+@dataclass(frozen=True)
+class Fidelity:
+    chunks: int
+    scored: int  # positions scored, over all chunks
+    ctx: int
+    perplexity: float
+    reference_perplexity: float
+    kl_mean: float
+    kl_p99: float
+    top1_agreement: float  # share of positions where both models rank the same token first
+
+    @property
+    def perplexity_change(self) -> float:
+        """Relative change against the reference: +0.04 is 4% worse."""
+        return self.perplexity / self.reference_perplexity - 1.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "perplexity_change": self.perplexity_change}
+
+    def summary(self) -> str:
+        return (
+            f"perplexity {self.perplexity:.4f} vs {self.reference_perplexity:.4f} "
+            f"({self.perplexity_change:+.2%}), KL mean {self.kl_mean:.4f} p99 {self.kl_p99:.4f}, "
+            f"top-1 agrees {self.top1_agreement:.1%} ({self.scored} positions in {self.chunks} chunks "
+            f"of {self.ctx})"
+        )
+
+
+def chunk_ids(ids: Sequence[int], ctx: int) -> list[list[int]]:
+    """Consecutive whole chunks of `ctx` tokens; a shorter tail is left out, as llama-perplexity does."""
+    if ctx < 4:
+        raise ValueError(f"the context must be at least 4 tokens, not {ctx}")
+    return [list(ids[start : start + ctx]) for start in range(0, len(ids) - ctx + 1, ctx)]
+
+
+def measure(
+    model: torch.nn.Module, reference: torch.nn.Module, ids: Sequence[int], ctx: int = DEFAULT_CTX
+) -> Fidelity:
+    """`model` against `reference` on the token ids of a text (both with the same vocabulary)."""
+    chunks = chunk_ids(ids, ctx)
+    if not chunks:
+        raise ValueError(f"the text has {len(ids)} tokens: at least one chunk of {ctx} is needed")
+    ours, theirs = CachedModel(model), CachedModel(reference)
+    nll = ref_nll = 0.0
+    kls: list[torch.Tensor] = []
+    agree = 0
+    for chunk in chunks:
+        lp, ref_lp, targets = _scored(ours, chunk), _scored(theirs, chunk), _targets(chunk)
+        rows = torch.arange(len(targets))
+        nll -= float(lp[rows, targets].sum())
+        ref_nll -= float(ref_lp[rows, targets].sum())
+        kls.append((ref_lp.exp() * (ref_lp - lp)).sum(dim=-1))
+        agree += int((lp.argmax(dim=-1) == ref_lp.argmax(dim=-1)).sum())
+    kl = torch.cat(kls)
+    scored = int(kl.numel())
+    return Fidelity(
+        chunks=len(chunks),
+        scored=scored,
+        ctx=ctx,
+        perplexity=math.exp(nll / scored),
+        reference_perplexity=math.exp(ref_nll / scored),
+        kl_mean=float(kl.mean()),
+        kl_p99=float(torch.quantile(kl.double(), 0.99)),
+        top1_agreement=agree / scored,
+    )
+
+
+def _first_scored(ctx: int) -> int:
+    return ctx // 2
+
+
+def _targets(chunk: list[int]) -> torch.Tensor:
+    """The tokens scored: each predicted from the logits one position before it."""
+    return torch.tensor(chunk[_first_scored(len(chunk)) + 1 :], dtype=torch.long)
+
+
+def _scored(runner: CachedModel, chunk: list[int]) -> torch.Tensor:
+    """Log-probabilities [scored, V] at the positions whose next token is scored."""
+    runner.reset()
+    logits = runner.forward(chunk, logits_to_keep=len(chunk))
+    runner.reset()  # the chunk's cache is not needed again
+    first = _first_scored(len(chunk))
+    return torch.log_softmax(logits[first:-1].float(), dim=-1)

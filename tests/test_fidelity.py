@@ -1,0 +1,102 @@
+"""Fidelity against the model's own weights: llama-perplexity's chunking, perplexity, KL and
+top-1 agreement, and `specdec eval` over them."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+
+import pytest
+import torch
+
+from specdec_core.engine.fidelity import chunk_ids, measure
+from specdec_core.tools import cli
+from specdec_core.tools.cli_eval import parse_llama_perplexity
+
+CTX = 16
+
+
+def ids_of(n: int, vocab: int, seed: int = 0) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(5, vocab, (n,), generator=generator).tolist()
+
+
+def perturbed(model: torch.nn.Module, scale: float) -> torch.nn.Module:
+    other = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for parameter in other.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * scale * parameter.std())
+    return other
+
+
+def test_chunks_are_whole_and_the_tail_is_left_out():
+    assert chunk_ids(list(range(40)), 16) == [list(range(16)), list(range(16, 32))]
+    assert chunk_ids(list(range(15)), 16) == []
+
+
+def test_a_model_against_itself_has_no_divergence(target, tokenizer):
+    ids = ids_of(3 * CTX + 5, len(tokenizer))
+    fidelity = measure(target, target, ids, ctx=CTX)
+    assert fidelity.chunks == 3 and fidelity.scored == 3 * (CTX // 2 - 1)
+    assert fidelity.kl_mean == 0.0 and fidelity.top1_agreement == 1.0
+    assert fidelity.perplexity == fidelity.reference_perplexity
+
+
+def test_perplexity_scores_the_second_half_of_each_chunk_from_an_empty_cache(target, tokenizer):
+    other = perturbed(target, 0.3)
+    ids = ids_of(2 * CTX, len(tokenizer), seed=2)
+    fidelity = measure(other, target, ids, ctx=CTX)
+    nll, count = 0.0, 0
+    for start in (0, CTX):
+        chunk = torch.tensor([ids[start : start + CTX]])
+        with torch.no_grad():
+            logp = torch.log_softmax(other(input_ids=chunk).logits[0].float(), dim=-1)
+        for j in range(CTX // 2, CTX - 1):
+            nll -= float(logp[j, ids[start + j + 1]])
+            count += 1
+    assert fidelity.scored == count
+    assert fidelity.perplexity == pytest.approx(math.exp(nll / count), rel=1e-4)
+    assert fidelity.kl_mean > 0 and fidelity.kl_p99 >= fidelity.kl_mean
+    assert fidelity.perplexity != fidelity.reference_perplexity
+
+
+def test_a_larger_perturbation_diverges_more(target, tokenizer):
+    ids = ids_of(2 * CTX, len(tokenizer), seed=3)
+    small = measure(perturbed(target, 0.05), target, ids, ctx=CTX)
+    large = measure(perturbed(target, 0.5), target, ids, ctx=CTX)
+    assert 0 < small.kl_mean < large.kl_mean
+    assert small.top1_agreement >= large.top1_agreement
+
+
+def test_a_text_shorter_than_one_chunk_is_refused(target, tokenizer):
+    with pytest.raises(ValueError, match="at least one chunk of 16"):
+        measure(target, target, ids_of(CTX - 1, len(tokenizer)), ctx=CTX)
+
+
+def test_eval_reports_each_precision_against_the_fp32_weights(capsys, tmp_path, tiny_folder):
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(f"word{i} is number {i}." for i in range(200)), encoding="utf-8")
+    docs = {}
+    for precision in ("fp32", "int8"):
+        argv = ["eval", "--target", str(tiny_folder), "--precision", precision, "--text", str(text)]
+        assert cli.main([*argv, "--ctx", str(CTX), "--chunks", "4", "--json"]) == 0
+        docs[precision] = json.loads(capsys.readouterr().out)
+    exact, int8 = docs["fp32"]["fidelity"], docs["int8"]["fidelity"]
+    assert exact["chunks"] == 4 and exact["kl_mean"] == 0.0 and exact["perplexity_change"] == 0.0
+    assert docs["int8"]["precision"] == "int8" and int8["kl_mean"] > 0.0
+    assert int8["reference_perplexity"] == exact["reference_perplexity"]
+
+
+def test_eval_of_an_unreadable_text_is_one_line(capsys, tmp_path, tiny_folder):
+    missing = tmp_path / "missing.txt"
+    assert cli.main(["eval", "--target", str(tiny_folder), "--text", str(missing)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("specdec: error: cannot read")
+
+
+def test_llama_perplexity_final_estimate_is_read_from_its_output():
+    output = "[1]4.1234,[2]3.9876,\nFinal estimate: PPL = 3.2420 +/- 0.05123\n"
+    assert parse_llama_perplexity(output) == 3.2420
+    assert parse_llama_perplexity("main: error: failed to load model\n") is None
