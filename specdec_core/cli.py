@@ -54,7 +54,9 @@ def add_model_options(
             "(API key: SPECDEC_API_KEY or the keyring; see docs/serving.md)",
         )
         parser.add_argument(
-            "--served-model", default="", help="with --server: the model to ask for (default: the one it serves)"
+            "--served-model",
+            default="",
+            help="with --server: the model to ask for (default: the one it serves)",
         )
     parser.add_argument(
         "--draft", default=draft_default or "ngram", help="draft model REF, 'ngram' or 'none'"

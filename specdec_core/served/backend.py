@@ -306,7 +306,7 @@ class ServedBackend:
                 raise
             run.stop_reason, run.note = "server_stopped", str(exc)
         else:
-            if cancel is not None and cancel.is_set():
+            if cancel is not None and cancel.is_set() and not run.finished:
                 run.stop_reason = "cancelled"
             elif not run.finished:
                 if not run.ids:

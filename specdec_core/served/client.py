@@ -189,12 +189,16 @@ class ServerClient:
             headers["Authorization"] = f"Bearer {self._key}"
         try:
             conn.request(method, path, body=data, headers=headers)
-            if conn.sock is not None:
-                conn.sock.settimeout(self.read_timeout)
-            response = conn.getresponse()
         except (OSError, http.client.HTTPException) as exc:
             conn.close()
             raise self._unreachable(exc) from None
+        if conn.sock is not None:
+            conn.sock.settimeout(self.read_timeout)
+        try:
+            response = self._wait(conn.getresponse, path)
+        except ServerError:
+            conn.close()
+            raise
         if response.status >= 400:
             detail = _error_detail(response)
             conn.close()
@@ -202,8 +206,12 @@ class ServerClient:
         return conn, response
 
     def _read(self, read: Any, path: str) -> bytes:
+        return bytes(self._wait(read, path))
+
+    def _wait(self, call: Any, path: str) -> Any:
+        """`call()`, with a silent server or a broken connection as one `ServerError` line."""
         try:
-            return bytes(read())
+            return call()
         except TimeoutError:
             raise ServerError(
                 f"the server at {self.address} sent nothing for {self.read_timeout:g} s while answering {path}"
