@@ -58,6 +58,7 @@ from .progress import Progress, ProgressCallback, check_cancelled
 from .selfcheck import ExactnessReport, check_exactness
 from .served.backend import ServedBackend, ServedExactness, ServerInfo
 from .served.client import is_server_url
+from .served.local_server import LocalLlamaServer, server_binary
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,10 @@ class LoadSpec:
     draft_fallback: bool = True
     # A served target (an http:// address): the model to ask it for ("" = the one it serves).
     served_model: str = ""
+    # Serve a .gguf target (and a .gguf draft) with llama.cpp's server on 127.0.0.1 and answer
+    # through it: the binary's path, or "auto" for $SPECDEC_LLAMA_SERVER / llama-server on PATH.
+    # `release()` (or the next load) stops it. "" = in-process.
+    local_server: str = ""
 
 
 @dataclass(frozen=True)
@@ -98,6 +103,7 @@ class ChatSession:
     def __init__(self) -> None:
         self._pair: LoadedPair | None = None
         self._served: ServedBackend | None = None
+        self._local_server: LocalLlamaServer | None = None
         self._spec: LoadSpec | None = None
         self._speculation = True
         self.info: SessionInfo | None = None
@@ -128,6 +134,8 @@ class ChatSession:
         cancel: threading.Event | None = None,
     ) -> SessionInfo:
         """Load the target (once) and its drafter, check exactness; replaces what was loaded."""
+        if spec.local_server:
+            return self._serve_locally(spec)
         if is_server_url(spec.target):
             return self._connect(spec)
         draft = DraftSpec.parse(spec.draft)  # a bad spec fails before anything is loaded
@@ -163,6 +171,22 @@ class ChatSession:
         self._spec = spec
         self.info = self._describe(draft, warning, exactness)
         return self.info
+
+    def _serve_locally(self, spec: LoadSpec) -> SessionInfo:
+        """Start llama.cpp's server on 127.0.0.1 for spec.target (with spec.draft when a .gguf)."""
+        self.release()
+        binary = server_binary("" if spec.local_server == "auto" else spec.local_server)
+        draft = spec.draft if spec.draft.endswith(".gguf") else ""
+        server = LocalLlamaServer(binary, spec.target, draft)
+        with _one_line_errors("starting llama.cpp's server"):
+            url = server.start()
+        try:
+            info = self._connect(dataclasses.replace(spec, target=url, local_server=""))
+        except BaseException:
+            server.stop()
+            raise
+        self._local_server = server  # after _connect, whose release() would stop it
+        return info
 
     def _connect(self, spec: LoadSpec) -> SessionInfo:
         """A served engine: ask the server what it is; nothing is loaded here."""
@@ -249,6 +273,9 @@ class ChatSession:
         """Drop the models. (No gc.collect here: the app collects on its UI thread only.)"""
         self._pair = None
         self._served = None
+        if self._local_server is not None:
+            self._local_server.stop()
+            self._local_server = None
         self.info = None
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -301,3 +301,24 @@ def test_batch_invariance_is_claimed_only_where_the_server_reports_it():
     assert engines.exactness_label({"version": "0.11"}) == engines.NOT_VERIFIED
     assert engines.exactness_label({"env": {"VLLM_BATCH_INVARIANT": "1"}}) == engines.BATCH_INVARIANT
     assert engines.exactness_label({"env": {"VLLM_BATCH_INVARIANT": "0"}}) == engines.NOT_VERIFIED
+
+
+def test_a_local_server_serves_a_gguf_with_its_draft_and_stops_on_release(models, tmp_path):
+    pytest.importorskip("xllamacpp", reason="llama.cpp's server comes from the xllamacpp package")
+    binary = tmp_path / "llama-server"  # tests/llama_server.py behind llama-server's flags
+    binary.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{SERVER_SCRIPT}" "$@"\n')
+    binary.chmod(0o755)
+    session = ChatSession()
+    info = session.load(LoadSpec(target=str(models[0]), draft=str(models[0]), local_server=str(binary)))
+    assert info.server is not None and info.server.url.startswith("http://127.0.0.1:")
+    done = list(session.answer(HELLO, params=GenerationParams(max_new_tokens=8)))[-1]
+    assert isinstance(done, DoneEvent) and done.stats.proposed > 0  # the draft was passed as -md
+    process = session._local_server.process
+    session.release()
+    assert process is not None and process.poll() is not None
+
+
+def test_a_missing_server_binary_is_one_line(models, monkeypatch):
+    monkeypatch.delenv("SPECDEC_LLAMA_SERVER", raising=False)
+    with pytest.raises(ServerError, match="cannot start /nonexistent/llama-server"):
+        ChatSession().load(LoadSpec(target=str(models[0]), local_server="/nonexistent/llama-server"))
