@@ -46,7 +46,7 @@ def window_from_args(args: argparse.Namespace) -> QMainWindow:
     app = _application()
     app.setWindowIcon(app_icon())
     options = ChatOptions(
-        target=args.target or "",
+        target=getattr(args, "server", None) or args.target or "",
         draft=args.draft or "",
         device=args.device or "",
         precision=args.precision or "",

@@ -22,6 +22,7 @@ from . import catalog_info
 OPEN_FOLDER = "::open-folder"
 OPEN_GGUF = "::open-gguf"
 HUB_ID = "::hub-id"
+SERVER = "::server"  # the target menu only: a served engine's address
 OPEN_ITEMS = (
     ("mdi6.folder-open-outline", "Open model folder…", OPEN_FOLDER),
     ("mdi6.file-outline", "Open GGUF file…", OPEN_GGUF),
@@ -38,7 +39,15 @@ def short_ref(ref: str) -> str:
 
 
 def choose_model_ref(parent: QWidget, kind: str) -> str:
-    """Ask for a folder, a GGUF file or a hub id; "" when the user cancels."""
+    """Ask for a folder, a GGUF file, a hub id or a server address; "" when the user cancels."""
+    if kind == SERVER:
+        text, ok = QInputDialog.getText(
+            parent,
+            "Server",
+            "OpenAI-compatible server (llama.cpp, vLLM, SGLang), e.g. http://127.0.0.1:8080/v1\n"
+            "API key: the SPECDEC_API_KEY environment variable or the keyring.",
+        )
+        return text.strip() if ok else ""
     if kind == OPEN_FOLDER:
         return QFileDialog.getExistingDirectory(parent, "Open a Hugging Face model folder")
     if kind == OPEN_GGUF:
@@ -123,6 +132,7 @@ class ModelToolbar(QToolBar):
                 self._add_item(menu, short_ref(ref), ref, ref)
                 seen.add(ref)
         self._add_open_items(menu)
+        menu.addItem(qta.icon("mdi6.server-network"), "Server…", SERVER)
         menu.setCurrentIndex(max(0, menu.findData(current)))
         menu.blockSignals(False)
 
@@ -181,7 +191,7 @@ class ModelToolbar(QToolBar):
     # -- what the user chose ------------------------------------------------------------------
     def _on_target_activated(self, index: int) -> None:
         ref = str(self.target_menu.itemData(index))
-        if ref in (OPEN_FOLDER, OPEN_GGUF, HUB_ID):
+        if ref in (OPEN_FOLDER, OPEN_GGUF, HUB_ID, SERVER):
             ref = choose_model_ref(self, ref)
             if not ref:
                 self.target_menu.setCurrentIndex(max(0, self.target_menu.findData(self._target)))

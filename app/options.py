@@ -15,7 +15,7 @@ THEMES = ("system", "light", "dark")
 
 def add_chat_options(parser: argparse.ArgumentParser) -> None:
     """The same model options as `specdec generate`; unset means "last used, else the default pair"."""
-    add_model_options(parser, draft_default="ngram")
+    add_model_options(parser, draft_default="ngram", server=True)
     # None marks "not given on the command line" so the window can fall back to the last
     # used model (settings) and then to the catalog's default pair.
     parser.set_defaults(target=None, draft=None, device=None, precision=None)

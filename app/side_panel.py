@@ -34,7 +34,9 @@ def answer_footer(stats: GenerationStats, draft_name: str) -> str:
     else:
         parts.append("target alone")
     speedup = stats.measured_speedup
-    if speedup > 0:
+    if not stats.speedup_known:
+        parts.append("speedup unknown")
+    elif speedup > 0:
         parts.append(f"{speedup:.1f}× faster" if speedup >= 1.0 else f"{speedup:.2f}× (slower)")
     parts.append(f"{stats.tokens_per_second:.1f} tok/s")
     parts.append(f"{stats.new_tokens} tokens")
@@ -42,6 +44,8 @@ def answer_footer(stats: GenerationStats, draft_name: str) -> str:
         parts.append("stopped")
     elif stats.stop_reason == "context_full":
         parts.append("stopped: the model's context is full")
+    elif stats.stop_reason == "server_stopped":
+        parts.append(f"stopped: {stats.note}")
     return " · ".join(parts)
 
 

@@ -45,6 +45,7 @@ SOURCE_WORDS = {
     "corrected": "correction: the target replaced a rejected draft token",
     "bonus": "bonus token: the target's extra token after a fully accepted draft",
     "target": "target token: a plain target step, no speculation",
+    "unknown": "served token: the server does not say whether a draft proposed it",
 }
 
 

@@ -284,7 +284,10 @@ class MainWindow(QMainWindow):
 
     def _show_exactness(self, info: SessionInfo) -> None:
         """The self-check's verdict on the loaded pair, under the gauges and on the toggle."""
-        label = f"Exactness: {info.exactness.summary() if info.exactness else 'not checked'}"
+        if info.server is not None:  # what the server promises; the self-check is in-process only
+            label = f"Exactness: {info.server.exactness} ({info.server.kind} server)"
+        else:
+            label = f"Exactness: {info.exactness.summary() if info.exactness else 'not checked'}"
         self.side.gauges.exactness.setText(label)
         self.speculation_action.setToolTip(f"{SPECULATION_TIP}\n{label}")
 

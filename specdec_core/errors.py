@@ -67,3 +67,7 @@ class InternalError(SpecdecError):
 
 class NumericalError(SpecdecError):
     """A model produced inf/NaN logits (typically fp16 overflow); the caches were reset."""
+
+
+class ServerError(SpecdecError):
+    """A served engine could not be reached or used: unreachable, refused key, model, timeout, stream."""

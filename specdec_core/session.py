@@ -18,6 +18,10 @@ Contract:
   `OutOfMemory`, raised after the caches were reset, so the session stays usable.
   Anything unexpected is `InternalError` (exit code 1) with the cause chained.
 - `speculation_enabled` may be set from another thread; the engine reads it every step.
+- A target that is a server address (`http://127.0.0.1:8080/v1`) is a served engine
+  (`served/`): the same calls and events, answered by that server; `info.server` says
+  what it reports, and `check_server_exactness` compares its answers with speculation on
+  and off.
 """
 
 from __future__ import annotations
@@ -52,6 +56,9 @@ from .models.compat import Compatibility, rate_draft
 from .models.loading import LoadedModel, load_model
 from .models.pair import DraftSpec, LoadedPair, load_draft, make_engine
 from .progress import Progress, ProgressCallback, check_cancelled
+from .served.backend import ServedBackend, ServedExactness, ServerInfo
+from .served.client import is_server_url
+from .served.local_server import LocalLlamaServer, server_binary
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +74,12 @@ class LoadSpec:
     # A model draft that does not fit the target: n-gram instead (with info.warning), or
     # IncompatibleDraftError when False (the CLI: a scripted run asked for that draft).
     draft_fallback: bool = True
+    # A served target (an http:// address): the model to ask it for ("" = the one it serves).
+    served_model: str = ""
+    # Serve a .gguf target (and a .gguf draft) with llama.cpp's server on 127.0.0.1 and answer
+    # through it: the binary's path, or "auto" for $SPECDEC_LLAMA_SERVER / llama-server on PATH.
+    # `release()` (or the next load) stops it. "" = in-process.
+    local_server: str = ""
 
 
 @dataclass(frozen=True)
@@ -83,11 +96,14 @@ class SessionInfo:
     device: str = ""  # resolved: "cpu" | "cuda"
     precision: str = ""  # resolved: "fp32" | "bf16" | "fp16" | "int8" | "int4" | "nf4"
     draft_precision: str = ""  # the draft model's ("int8/int4": 4-bit steps; "int4 (int8 reads)"); "" without one
+    server: ServerInfo | None = None  # a served engine: what it is and reports (None: in-process)
 
 
 class ChatSession:
     def __init__(self) -> None:
         self._pair: LoadedPair | None = None
+        self._served: ServedBackend | None = None
+        self._local_server: LocalLlamaServer | None = None
         self._spec: LoadSpec | None = None
         self._speculation = True
         self.info: SessionInfo | None = None
@@ -118,6 +134,10 @@ class ChatSession:
         cancel: threading.Event | None = None,
     ) -> SessionInfo:
         """Load the target (once) and its drafter, check exactness; replaces what was loaded."""
+        if spec.local_server:
+            return self._serve_locally(spec)
+        if is_server_url(spec.target):
+            return self._connect(spec)
         draft = DraftSpec.parse(spec.draft)  # a bad spec fails before anything is loaded
         self.release()
         with _one_line_errors("loading the model", hint="try a smaller precision or a smaller model"):
@@ -152,6 +172,48 @@ class ChatSession:
         self.info = self._describe(draft, warning, exactness)
         return self.info
 
+    def _serve_locally(self, spec: LoadSpec) -> SessionInfo:
+        """Start llama.cpp's server on 127.0.0.1 for spec.target (with spec.draft when a .gguf)."""
+        self.release()
+        binary = server_binary("" if spec.local_server == "auto" else spec.local_server)
+        draft = spec.draft if spec.draft.endswith(".gguf") else ""
+        server = LocalLlamaServer(binary, spec.target, draft)
+        with _one_line_errors("starting llama.cpp's server"):
+            url = server.start()
+        try:
+            info = self._connect(dataclasses.replace(spec, target=url, local_server=""))
+        except BaseException:
+            server.stop()
+            raise
+        self._local_server = server  # after _connect, whose release() would stop it
+        return info
+
+    def _connect(self, spec: LoadSpec) -> SessionInfo:
+        """A served engine: ask the server what it is; nothing is loaded here."""
+        self.release()
+        with _one_line_errors("connecting to the server"):
+            backend = ServedBackend.connect(spec.target, spec.served_model)
+        self._served, self._spec = backend, spec
+        self.info = self._describe_served()
+        return self.info
+
+    def _describe_served(self) -> SessionInfo:
+        """The served engine as the session's info (what the server has said so far)."""
+        assert self._served is not None and self._spec is not None
+        server, spec = self._served.info, self._spec
+        return SessionInfo(
+            target=spec.target,
+            target_name=server.model or server.url,
+            target_path="",
+            draft=spec.draft,  # kept as asked: the server's own draft is in draft_name
+            draft_name=f"the server's ({server.speculation})",
+            description=f"{server.kind} at {server.url}",
+            warning="; ".join(server.notes),
+            context_length=server.context_length,
+            device="server",
+            server=server,
+        )
+
     def swap_draft(
         self,
         draft: str,
@@ -160,6 +222,10 @@ class ChatSession:
         cancel: threading.Event | None = None,
     ) -> SessionInfo:
         """Change only the drafter; the target stays. On failure the old drafter stays in use."""
+        if self._served is not None:
+            raise InvalidInput(
+                "a served engine's draft is chosen when the server starts: restart it with another"
+            )
         pair = self._require()
         spec = DraftSpec.parse(draft)
         trust = self._spec.trust_remote_code if self._spec else False
@@ -178,6 +244,8 @@ class ChatSession:
     def rate_drafts(self, refs: Sequence[str]) -> dict[str, Compatibility]:
         """Whether each candidate draft fits the loaded target, with a reason, without loading
         weights or downloading anything (`compat.rate_draft`: one verdict for every front end)."""
+        if self._served is not None:
+            return {ref: Compatibility(False, "the server runs its own draft") for ref in refs}
         pair = self._require()
         verdicts: dict[str, Compatibility] = {}
         for ref in refs:
@@ -189,7 +257,14 @@ class ChatSession:
         return verdicts
 
     def calibrate(self) -> None:
-        """Time target (and draft) forwards: the controller's costs and the speedup baseline."""
+        """Time target (and draft) forwards: the controller's costs and the speedup baseline.
+
+        A served engine: time the same server with speculation off, where it allows it."""
+        if self._served is not None:
+            with _one_line_errors("timing the server"):
+                self._served.calibrate(GenerationParams())
+            self.info = self._describe_served()
+            return
         pair = self._require()
         with _one_line_errors("timing the model", on_oom=self._reset_caches):
             pair.engine.calibrate()
@@ -197,6 +272,10 @@ class ChatSession:
     def release(self) -> None:
         """Drop the models. (No gc.collect here: the app collects on its UI thread only.)"""
         self._pair = None
+        self._served = None
+        if self._local_server is not None:
+            self._local_server.stop()
+            self._local_server = None
         self.info = None
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -211,9 +290,14 @@ class ChatSession:
         cancel: threading.Event | None = None,
     ) -> Iterator[Event]:
         """Stream the assistant's answer to `messages`. Bad input raises here, before any event."""
-        pair = self._require()
         params = params or GenerationParams()
         check_params(params)
+        if self._served is not None:
+            with _one_line_errors("asking the server"):
+                return self._served_events(
+                    self._served.answer(messages, system, params, cancel, speculation=self._speculation)
+                )
+        pair = self._require()
         with _one_line_errors("preparing the chat"):
             prompt = encode_chat(pair.target.tokenizer, messages, system)
         return self._stream(prompt, params, cancel)
@@ -222,11 +306,15 @@ class ChatSession:
         self, text: str, *, params: GenerationParams | None = None, cancel: threading.Event | None = None
     ) -> Iterator[Event]:
         """Continue plain `text` without the chat template (the CLI's --raw)."""
-        pair = self._require()
         params = params or GenerationParams()
         check_params(params)
         if not text:
             raise InvalidInput("the prompt is empty: a raw prompt needs at least one token")
+        if self._served is not None:
+            return self._served_events(
+                self._served.complete(text, params, cancel, speculation=self._speculation)
+            )
+        pair = self._require()
         with _one_line_errors("tokenizing the prompt"):
             prompt = encode_text(pair.target.tokenizer, text)
         if not prompt:
@@ -253,6 +341,29 @@ class ChatSession:
                 if isinstance(event, DoneEvent):
                     event = self._finished(event, capped)
                 yield event
+
+    def _served_events(self, events: Iterator[Event]) -> Iterator[Event]:
+        with _one_line_errors("streaming from the server"):
+            yield from events
+
+    def check_server_exactness(
+        self,
+        prompt: str,
+        *,
+        against: str | None = None,
+        params: GenerationParams | None = None,
+    ) -> ServedExactness:
+        """A served engine's greedy answer to `prompt` with speculation on and off, token for token.
+
+        Off is asked of the same server per request, or of `against` (the same model served
+        without a draft) where the server cannot switch it off."""
+        if self._served is None:
+            raise NotLoaded("no server is connected: load a target that is a server address first")
+        params = dataclasses.replace(params or GenerationParams(max_new_tokens=64), temperature=0.0)
+        check_params(params)
+        with _one_line_errors("comparing the server's answers"):
+            plain = ServedBackend.connect(against) if against else None
+            return self._served.check_exactness([Message("user", prompt)], params, plain)
 
     def _fit_context(self, prompt: list[int], params: GenerationParams) -> tuple[GenerationParams, bool]:
         """Refuse a prompt the model cannot hold; cap the answer at the model's last position."""

@@ -141,8 +141,11 @@ CHAT_TEMPLATE = (
 )
 
 
-def write_tiny_llama_gguf(path: Path) -> Path:
-    """A 2-layer Llama with a byte-level BPE vocabulary, weights quantized to Q8_0."""
+def write_tiny_llama_gguf(path: Path, context_length: int = 128, never_ends: bool = False) -> Path:
+    """A 2-layer Llama with a byte-level BPE vocabulary, weights quantized to Q8_0.
+
+    `never_ends`: the special tokens' (tied) embedding rows are zero, so their logit is 0
+    and a greedy answer never picks one: it runs to its token limit (the served tests)."""
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
@@ -159,7 +162,7 @@ def write_tiny_llama_gguf(path: Path) -> Path:
 
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_block_count(LAYERS)
-    writer.add_context_length(128)
+    writer.add_context_length(context_length)
     writer.add_embedding_length(HIDDEN)
     writer.add_feed_forward_length(FFN)
     writer.add_head_count(HEADS)
@@ -187,7 +190,13 @@ def write_tiny_llama_gguf(path: Path) -> Path:
         writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
 
     kv = HIDDEN * KV_HEADS // HEADS
-    add_q8("token_embd.weight", (len(tokens), HIDDEN))
+    embedding = rng.normal(0, 0.3, (len(tokens), HIDDEN)).astype(np.float32)
+    if never_ends:
+        embedding[[i for i, t in enumerate(tokens) if t.startswith("<|")]] = 0.0
+    embedding_q8 = gguf.quants.quantize(embedding, gguf.GGMLQuantizationType.Q8_0)
+    writer.add_tensor(
+        "token_embd.weight", embedding_q8, raw_shape=embedding_q8.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0
+    )
     writer.add_tensor("output_norm.weight", np.ones(HIDDEN, np.float32))
     for block in range(LAYERS):
         writer.add_tensor(f"blk.{block}.attn_norm.weight", rng.uniform(0.5, 1.5, HIDDEN).astype(np.float32))

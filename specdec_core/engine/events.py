@@ -4,7 +4,8 @@ Provenance of a committed token (after vLLM's rejection sampler vocabulary):
 - `accepted`:  a draft token the target confirmed;
 - `corrected`: the target's token replacing the first rejected draft token;
 - `bonus`:     the target's extra token after every draft token was accepted;
-- `target`:    a token from a plain target step (speculation off, or k = 0 chosen).
+- `target`:    a token from a plain target step (speculation off, or k = 0 chosen);
+- `unknown`:   a served engine's token: the server does not say whether a draft proposed it.
 
 Events are frozen dataclasses so a UI thread can hold them without copying.
 """
@@ -22,6 +23,7 @@ class Source(str, Enum):
     CORRECTED = "corrected"
     BONUS = "bonus"
     TARGET = "target"
+    UNKNOWN = "unknown"
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,7 @@ class ReadingEvent:
 class TokenEvent:
     """One committed token; `text` is the text it adds (may be "" mid-character)."""
 
-    token_id: int
+    token_id: int  # -1 where a served engine did not report the id
     text: str
     source: Source
     step: int

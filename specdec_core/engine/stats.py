@@ -92,6 +92,10 @@ class GenerationStats:
     # "unverified: check incomplete" | "unchecked" (no self-check ran).
     exactness: str = "unchecked"
     max_logit_diff: float | None = None
+    # False when no plain-decoding baseline could be timed (a served engine that cannot
+    # switch speculation off): `measured_speedup` is then 0.0 and `as_dict` writes None.
+    speedup_known: bool = True
+    note: str = ""  # one line on how the figures were obtained or why the answer ended early
 
     @property
     def acceptance_rate(self) -> float:
@@ -155,6 +159,8 @@ class GenerationStats:
             "theoretical_speedup",
         ):
             plain[name] = getattr(self, name)
+        if not self.speedup_known:
+            plain["measured_speedup"] = None
         return plain
 
 

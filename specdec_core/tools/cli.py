@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib
 import json
 import os
@@ -37,13 +38,32 @@ _PLUGINS = (
 )
 
 
-def add_model_options(parser: argparse.ArgumentParser, draft_default: str | None = None) -> None:
-    """--target/--draft/--device/--precision/--offload/--trust-remote-code, shared by generate, bench and chat."""
+def add_model_options(
+    parser: argparse.ArgumentParser, draft_default: str | None = None, *, server: bool = False
+) -> None:
+    """--target/--draft/--device/--precision/--offload/--trust-remote-code, shared by generate, bench and chat.
+
+    With `server`, also --server/--served-model (a served engine instead of a local target)."""
     from ..models.loading import DEVICES, PRECISIONS
 
     parser.add_argument(
-        "--target", required=draft_default is None, help="model: HF folder, .gguf, catalog name, hub id"
+        "--target",
+        required=draft_default is None and not server,
+        help="model: HF folder, .gguf, catalog name, hub id",
     )
+    if server:
+        parser.add_argument(
+            "--server",
+            metavar="URL",
+            default=None,
+            help="answer through an OpenAI-compatible server instead, e.g. http://127.0.0.1:8080/v1 "
+            "(API key: SPECDEC_API_KEY or the keyring; see docs/serving.md)",
+        )
+        parser.add_argument(
+            "--served-model",
+            default="",
+            help="with --server: the model to ask for (default: the one it serves)",
+        )
     parser.add_argument(
         "--draft", default=draft_default or "ngram", help="draft model REF, 'ngram' or 'none'"
     )
@@ -62,14 +82,20 @@ def add_model_options(parser: argparse.ArgumentParser, draft_default: str | None
 def load_spec(args: argparse.Namespace, *, draft_fallback: bool = True) -> LoadSpec:
     from ..session import LoadSpec
 
+    server = getattr(args, "server", None)
+    if server and args.target:
+        raise InvalidParameter("give --target or --server, not both")
+    if not server and not args.target:
+        raise InvalidParameter("--target or --server is required")
     return LoadSpec(
-        target=args.target,
+        target=server or args.target,
         draft=args.draft,
         device=args.device,
         precision=args.precision,
         offload=getattr(args, "offload", False),
         trust_remote_code=getattr(args, "trust_remote_code", False),
         draft_fallback=draft_fallback,
+        served_model=getattr(args, "served_model", "") or "",
     )
 
 
@@ -129,13 +155,25 @@ def _number(kind: type) -> Any:
 
 def _register_generate(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("generate", help="generate one answer headlessly (text or --json)")
-    add_model_options(p)
+    add_model_options(p, server=True)
     add_generation_options(p)
     p.add_argument("--prompt", required=True, help="the user message")
     p.add_argument("--system", default=None, help="a system prompt")
     p.add_argument("--raw", action="store_true", help="tokenize the prompt as is, without the chat template")
     p.add_argument("--no-calibrate", action="store_true", help="skip timing the target before generating")
     p.add_argument("--json", action="store_true", help="print one JSON document with tokens and stats")
+    p.add_argument(
+        "--check-exactness",
+        action="store_true",
+        help="with --server: answer the prompt greedily with speculation on and off and compare token for token",
+    )
+    p.add_argument(
+        "--against",
+        metavar="URL",
+        default=None,
+        help="with --check-exactness: the same model served without a draft, for a server that cannot "
+        "switch speculation off per request",
+    )
     p.set_defaults(func=_generate)
 
 
@@ -150,14 +188,20 @@ def _generate(args: argparse.Namespace) -> int:
         check_text(args.system, "--system")
     if args.raw and not args.prompt:
         raise InvalidParameter("--prompt is empty: a --raw prompt needs at least one token")
-    from transformers.utils import logging as hf_logging
+    spec = load_spec(args, draft_fallback=False)
+    if (args.check_exactness or args.against) and not args.server:
+        raise InvalidParameter("--check-exactness and --against need --server")
+    if not args.server:
+        from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()  # the weights' bar: ours is the one terminal bar
+        hf_logging.disable_progress_bar()  # the weights' bar: ours is the one terminal bar
     session = ChatSession()
     # A draft that does not fit is refused here, not replaced: the run asked for it.
     progress = TerminalProgress()
-    info = session.load(load_spec(args, draft_fallback=False), progress=progress)
+    info = session.load(spec, progress=progress)
     progress.close()
+    if args.check_exactness:
+        return _check_server(args, session, params)
     print(f"specdec: target on {info.description}, draft {info.draft_name}", file=sys.stderr)
     if info.exactness is not None:
         print(f"specdec: exactness: {info.exactness.summary()}", file=sys.stderr)
@@ -180,7 +224,8 @@ def _generate(args: argparse.Namespace) -> int:
             sys.stderr.write("\r\033[K")  # the reading line, if any, gives way to the answer
             sys.stderr.flush()
         elif isinstance(event, TokenEvent):
-            tokens.append({"id": event.token_id, "text": event.text, "source": event.source.value})
+            token_id = None if event.token_id < 0 else event.token_id  # -1: the server did not say
+            tokens.append({"id": token_id, "text": event.text, "source": event.source.value})
             if not args.json and not event.is_stop:  # a stop token is counted, never printed
                 sys.stdout.write(event.text)
                 sys.stdout.flush()
@@ -200,11 +245,14 @@ def _report(
     info = session.info
     assert info is not None
     if args.json:
-        prompt_ids = session.engine.target.ids[: stats.prompt_tokens] or []
-        doc: dict[str, Any] = {"prompt_token_ids": list(prompt_ids), "tokens": tokens, "text": done.text}
+        prompt_ids = None if info.server else list(session.engine.target.ids[: stats.prompt_tokens] or [])
+        doc: dict[str, Any] = {"prompt_token_ids": prompt_ids, "tokens": tokens, "text": done.text}
         doc["stats"] = stats.as_dict()  # with the self-check's exactness label and max logit difference
-        doc["target"] = {"ref": args.target, "device": info.device, "precision": info.precision}
-        doc["draft"] = {"ref": info.draft, "precision": info.draft_precision or None}
+        doc["target"] = {"ref": info.target, "device": info.device, "precision": info.precision or None}
+        draft_ref = info.server.speculation if info.server else info.draft  # a server runs its own
+        doc["draft"] = {"ref": draft_ref, "precision": info.draft_precision or None}
+        if info.server:
+            doc["server"] = _served_fields(info.server, stats)
         json.dump(doc, sys.stdout, ensure_ascii=False)
     sys.stdout.write("\n")
     sys.stdout.flush()
@@ -214,11 +262,45 @@ def _report(
             "tokens of context) and was cut there",
             file=sys.stderr,
         )
+    if stats.stop_reason == "server_stopped":
+        print(f"specdec: warning: the answer ended early: {stats.note}", file=sys.stderr)
+    speedup = f"{stats.measured_speedup:.2f}x" if stats.speedup_known else "speedup unknown"
     print(
         f"specdec: {stats.new_tokens} tokens, {stats.tokens_per_second:.2f} tok/s, "
-        f"acceptance {stats.acceptance_rate:.0%}, {stats.measured_speedup:.2f}x vs target alone",
+        f"acceptance {stats.acceptance_rate:.0%}, {speedup} vs target alone",
         file=sys.stderr,
     )
+
+
+def _served_fields(server: Any, stats: Any) -> dict[str, Any]:
+    """What a served engine provided, field by field, for --json (the rest was timed here)."""
+    return {
+        "url": server.url,
+        "kind": server.kind,
+        "model": server.model,
+        "speculation": server.speculation,
+        "exactness": server.exactness,
+        "provided": {
+            "token_ids": "server" if server.token_ids else "unavailable",
+            "draft_counts": "server" if server.kind in ("llama.cpp", "vLLM") else "unavailable",
+            "tokens_per_second": "measured here",
+            "measured_speedup": "measured against the server with speculation off"
+            if stats.speedup_known
+            else "unknown",
+            "token_sources": "unknown",
+        },
+        "notes": [*server.notes, *([stats.note] if stats.note else [])],
+    }
+
+
+def _check_server(args: argparse.Namespace, session: ChatSession, params: GenerationParams) -> int:
+    """--check-exactness: one line with the verdict; exit 0 when the answers are identical, else 1."""
+    result = session.check_server_exactness(args.prompt, against=args.against, params=params)
+    if args.json:
+        json.dump(dataclasses.asdict(result), sys.stdout, ensure_ascii=False)
+        sys.stdout.write("\n")
+    print(f"specdec: exactness: {result.summary()} ({result.drafted} draft tokens)", file=sys.stderr)
+    return 0 if result.identical else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
