@@ -407,14 +407,14 @@ static void column_tile(int type, const uint8_t *w, int64_t block, int64_t bytes
     int64_t row_bytes = k / block * bytes;
     float weights[COLS * SPAN] __attribute__((aligned(64)));
     float acc[ROW_BLOCK * COLS * LANES] __attribute__((aligned(64)));
-    memset(weights, 0, sizeof weights); /* columns past n_out stay zero: computed, never stored */
     for (int64_t r0 = 0; r0 < rows; r0 += ROW_BLOCK) {
         int64_t block_rows = rows - r0 < ROW_BLOCK ? rows - r0 : ROW_BLOCK;
         memset(acc, 0, sizeof(float) * (size_t)(block_rows * COLS * LANES));
         for (int64_t first = 0; first < k; first += SPAN) {
             int64_t n = k - first < SPAN ? k - first : SPAN;
             for (int c = 0; c < cols; c++) decode(type, w + (col + c) * row_bytes, block, bytes, first, n, weights + c * SPAN);
-            for (int c = cols; c < COLS; c++) memset(weights + c * SPAN, 0, sizeof(float) * SPAN);
+            /* columns past n_out: zeros, computed and never stored */
+            for (int c = cols; c < COLS; c++) memset(weights + c * SPAN, 0, sizeof(float) * (size_t)n);
             for (int64_t t = 0; t < block_rows; t += ROW_TILE) {
                 int tile = block_rows - t < ROW_TILE ? (int)(block_rows - t) : ROW_TILE;
                 multiply_rows(weights, n, x + (r0 + t) * k + first, k, tile, acc + t * COLS * LANES);
