@@ -38,7 +38,7 @@ from pathlib import Path
 from ..disk_cache import kernels_dir
 from . import cpu, kernel_files
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("int4_cpu.c", "helper_cpu.c", "attention_cpu.c", "layers_cpu.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("int4_cpu.c", "helper_cpu.c", "attention_cpu.c", "layers_cpu.c", "gguf_cpu.c"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("helper_cpu.h", "simd16.h", "simd_math.h"))
 # -ffp-contract=off: a multiply then an add round twice, as torch's separate ops do. Nothing
 # here names an architecture: the scalar build compiles with a plain `cc` anywhere.

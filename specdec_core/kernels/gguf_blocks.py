@@ -1,0 +1,191 @@
+"""GGUF weights as the file stores them: a linear that multiplies by the file's own blocks.
+
+A GGUF keeps each weight tensor as rows of llama.cpp's quantized blocks (Q4_K, Q6_K, Q8_0, ...).
+`GGUFLinear` holds those bytes as they are (a slice of the memory-mapped file: no copy, no
+dequantized or re-quantized version) and computes
+
+    y = x @ W.T (+ bias),   W = gguf.quants.dequantize(blocks, qtype), bit for bit,
+
+with x in fp32, unquantized. `gguf_cpu.c` decodes each block in registers and sums in an order
+fixed per (row, column), so a row's result is bitwise the same whatever the number of rows in
+the call and the thread count: what speculative decoding's exactness needs.
+
+Where the C kernels cannot run (no compiler: `native.unavailable()` says why), the linear
+dequantizes its weights with `gguf.quants` on every call and multiplies a row at a time in
+torch: slower, the same weights, its own (fixed-shape) summation order. `GGUFLinear.path` says
+which of the two runs, for the fidelity label.
+
+`block_type` is the one place that says which block types run here; any other (IQ2_XS, Q3_K,
+...) is refused in one line naming it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import quants as gguf_quants
+from torch import nn
+
+from . import native
+
+SUPPORTED = (
+    GGMLQuantizationType.F32,
+    GGMLQuantizationType.F16,
+    GGMLQuantizationType.BF16,
+    GGMLQuantizationType.Q4_0,
+    GGMLQuantizationType.Q4_1,
+    GGMLQuantizationType.Q5_0,
+    GGMLQuantizationType.Q5_1,
+    GGMLQuantizationType.Q8_0,
+    GGMLQuantizationType.Q4_K,
+    GGMLQuantizationType.Q5_K,
+    GGMLQuantizationType.Q6_K,
+)
+NATIVE = "native"  # gguf_cpu.c, the blocks decoded in registers
+FALLBACK = "fallback"  # gguf.quants dequantizes the blocks on every call, torch multiplies
+
+
+class UnsupportedBlockType(ValueError):
+    """A tensor's block type is not one this module runs; the message names it in one line."""
+
+
+def supported_names() -> tuple[str, ...]:
+    """The block types GGUFLinear runs, by their GGUF names."""
+    return tuple(qtype.name for qtype in SUPPORTED)
+
+
+def block_type(qtype: int | str | GGMLQuantizationType) -> GGMLQuantizationType:
+    """The block type named (`"Q4_K"`) or numbered (ggml's id), if GGUFLinear runs it;
+    `UnsupportedBlockType` in one line naming it otherwise."""
+    try:
+        known = GGMLQuantizationType[qtype] if isinstance(qtype, str) else GGMLQuantizationType(qtype)
+    except (KeyError, ValueError):
+        known = None
+    if known is None or known not in SUPPORTED:
+        name = known.name if known is not None else str(qtype)
+        raise UnsupportedBlockType(
+            f"GGUF block type {name} is not supported; weights run as stored in {', '.join(supported_names())}"
+        )
+    return known
+
+
+def row_bytes(qtype: GGMLQuantizationType, in_features: int) -> int:
+    """Bytes of one output row of `in_features` weights (a whole number of blocks)."""
+    weights, size = GGML_QUANT_SIZES[qtype]
+    if in_features % weights:
+        raise ValueError(f"{in_features} inputs are not whole {qtype.name} blocks of {weights}")
+    return in_features // weights * size
+
+
+@functools.cache
+def _typed(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """The library with gguf_cpu.c's signatures declared (once per loaded library)."""
+    pointer, size, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.gguf_linear.argtypes = [c_int, pointer, size, size, pointer, size, pointer, pointer, c_int]
+    lib.gguf_linear.restype = c_int
+    lib.gguf_dequantize.argtypes = [c_int, pointer, size, size, pointer, c_int]
+    lib.gguf_dequantize.restype = c_int
+    lib.gguf_block_bytes.argtypes = [c_int, ctypes.POINTER(ctypes.c_int64)]
+    lib.gguf_block_bytes.restype = size
+    return lib
+
+
+def kernel() -> ctypes.CDLL:
+    """The compiled kernels (native.KernelUnavailable where they cannot run)."""
+    return _typed(native.library())
+
+
+def _raw_bytes(blocks: np.ndarray | torch.Tensor) -> np.ndarray:
+    """The blocks as a flat uint8 array over the same memory (a memmap slice stays one)."""
+    if isinstance(blocks, torch.Tensor):
+        if blocks.device.type != "cpu":
+            raise ValueError(f"GGUF blocks must be in CPU memory, not on {blocks.device}")
+        blocks = blocks.numpy()
+    if blocks.dtype != np.uint8:
+        raise ValueError(f"GGUF blocks must be uint8 bytes, not {blocks.dtype}")
+    if not blocks.flags.c_contiguous:
+        raise ValueError("GGUF blocks must be one contiguous run of bytes, as the file holds them")
+    return blocks.reshape(-1)
+
+
+class GGUFLinear(nn.Module):
+    """A linear whose weight [out_features, in_features] is a GGUF tensor's blocks as stored."""
+
+    bias: nn.Parameter | None
+
+    def __init__(
+        self,
+        qtype: int | str | GGMLQuantizationType,
+        blocks: np.ndarray | torch.Tensor,
+        in_features: int,
+        out_features: int,
+        bias: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__()
+        self.qtype = block_type(qtype)
+        self.in_features, self.out_features = in_features, out_features
+        self.row_bytes = row_bytes(self.qtype, in_features)
+        self.blocks = _raw_bytes(blocks)  # not a buffer: the file's memory, never copied or moved
+        if self.blocks.size != out_features * self.row_bytes:
+            raise ValueError(
+                f"a {out_features}x{in_features} {self.qtype.name} tensor is "
+                f"{out_features * self.row_bytes} bytes, not {self.blocks.size}"
+            )
+        self.bias = (
+            None if bias is None else nn.Parameter(bias.detach().float().contiguous(), requires_grad=False)
+        )
+        self.fallback_reason = native.unavailable()  # None: the C kernel runs
+        self.path = NATIVE if self.fallback_reason is None else FALLBACK
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if rows.dtype != torch.float32 or not rows.is_contiguous():
+            rows = rows.float().contiguous()
+        y = self._native(rows) if self.path == NATIVE else self._fallback(rows)
+        return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def _native(self, rows: torch.Tensor) -> torch.Tensor:
+        y = torch.empty(rows.shape[0], self.out_features)
+        status = kernel().gguf_linear(
+            int(self.qtype), self.blocks.ctypes.data, self.out_features, self.in_features, rows.data_ptr(),
+            rows.shape[0], None if self.bias is None else self.bias.data_ptr(), y.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if status != 0:
+            raise ValueError(
+                f"gguf_cpu.c refused a {self.out_features}x{self.in_features} {self.qtype.name} linear"
+            )
+        return y
+
+    def _fallback(self, rows: torch.Tensor) -> torch.Tensor:
+        """A row at a time, so torch's matmul sees one shape whatever the batch."""
+        weight = self.dense_weight()
+        return torch.cat([F.linear(row, weight, self.bias) for row in rows.split(1)])
+
+    def dense_weight(self) -> torch.Tensor:
+        """The weights as floats [out, in]: exactly the values either path multiplies by."""
+        if self.path == NATIVE:
+            weight = torch.empty(self.out_features, self.in_features)
+            status = kernel().gguf_dequantize(
+                int(self.qtype), self.blocks.ctypes.data, self.out_features, self.in_features, weight.data_ptr(),
+                torch.get_num_threads(),
+            )  # fmt: skip
+            if status != 0:
+                raise ValueError(
+                    f"gguf_cpu.c cannot decode a {self.qtype.name} tensor of {self.in_features} inputs"
+                )
+            return weight
+        values = gguf_quants.dequantize(self.blocks.reshape(self.out_features, self.row_bytes), self.qtype)
+        # F32 comes back as a view of the file's read-only memory: torch gets a copy of that one.
+        return torch.from_numpy(values if values.flags.writeable else values.copy())
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, qtype={self.qtype.name}, "
+            f"path={self.path}"
+        )
