@@ -152,7 +152,7 @@ class ModelController(QObject):
         if Path(info.target).exists():
             self.settings.remember_model(info.target)
         self.load_panel.hide()
-        self.toolbar.set_resolved(info.description)
+        self.toolbar.set_resolved(info.description, info.fidelity)
         self.statusChanged.emit(f"Ready: {info.target_name} on {info.description}, draft {info.draft_name}")
         if info.warning:
             self.errorRaised.emit(info.warning)

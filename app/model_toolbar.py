@@ -19,6 +19,20 @@ from specdec_core import DEVICES, PRECISIONS, Compatibility
 
 from . import catalog_info
 
+# What each precision costs in fidelity, shown on the precision menu's items.
+PRECISION_COSTS = {
+    "auto": "The fastest that fits. On the CPU a GGUF runs re-quantized to int4 unless its blocks run "
+    "as stored at that speed; the label beside the menu says which.",
+    "gguf": "A GGUF file's own blocks, as stored: the weights in the file, nothing rounded again (CPU).",
+    "int4": "Re-quantized to 4 bits at load (CPU, fastest): rounds the file's weights again, so answers "
+    "drift slightly from the file's; `specdec eval` measures how far.",
+    "int8": "Re-quantized to 8 bits at load (CPU): rounds the weights again; `specdec eval` measures how far.",
+    "fp32": "The source's weights exactly, widened to fp32: the reference, and the slowest.",
+    "bf16": "Half precision: as stored for a bf16 checkpoint; a GGUF's or fp32 weights are rounded.",
+    "fp16": "Half precision: as stored for an fp16 checkpoint; other weights are rounded.",
+    "nf4": "4-bit on the GPU (bitsandbytes): the weights re-quantized.",
+}
+
 OPEN_FOLDER = "::open-folder"
 OPEN_GGUF = "::open-gguf"
 HUB_ID = "::hub-id"
@@ -83,6 +97,8 @@ class ModelToolbar(QToolBar):
             "precisionMenu", 0, "Precision (auto: the fastest that fits; CPU int4 and int8 are exact per token)"
         )
         self.precision_menu.addItems(list(PRECISIONS))
+        for index, name in enumerate(PRECISIONS):
+            self.precision_menu.setItemData(index, PRECISION_COSTS.get(name, ""), Qt.ItemDataRole.ToolTipRole)
         self.precision_menu.setCurrentText(precision)
         self.precision_menu.activated.connect(self._on_placement)
         self.resolved_label = QLabel("", objectName="resolvedLabel")
@@ -112,8 +128,14 @@ class ModelToolbar(QToolBar):
         for widget in (self.target_menu, self.draft_menu, self.device_menu, self.precision_menu):
             widget.setEnabled(enabled)
 
-    def set_resolved(self, description: str) -> None:
-        self.resolved_label.setText(description)
+    def set_resolved(self, description: str, fidelity: str = "") -> None:
+        """What the target runs on, and how its weights relate to the file's (the tooltip says more)."""
+        self.resolved_label.setText(f"{description} · {fidelity}" if fidelity else description)
+        self.resolved_label.setToolTip(
+            "What the target actually runs on, and its weights against the source's"
+            + (f": {fidelity}" if fidelity else "")
+            + ". `specdec eval` measures perplexity and KL divergence against the source."
+        )
 
     # -- filling the menus --------------------------------------------------------------------
     def fill_target_menu(self, current: str, recent: Sequence[str]) -> None:

@@ -97,6 +97,7 @@ class SessionInfo:
     precision: str = ""  # resolved: "fp32" | "bf16" | "fp16" | "int8" | "int4" | "nf4"
     draft_precision: str = ""  # the draft model's ("int8/int4": 4-bit steps; "int4 (int8 reads)"); "" without one
     server: ServerInfo | None = None  # a served engine: what it is and reports (None: in-process)
+    fidelity: str = ""  # the target's weights against its source's, e.g. "as stored (Q4_K_M)"
 
 
 class ChatSession:
@@ -429,6 +430,7 @@ class ChatSession:
             device=target.device,
             precision=target.precision,
             draft_precision=pair.draft.precision if pair.draft is not None else "",
+            fidelity=target.fidelity,
         )
 
 

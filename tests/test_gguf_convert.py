@@ -141,8 +141,12 @@ CHAT_TEMPLATE = (
 )
 
 
-def write_tiny_llama_gguf(path: Path, context_length: int = 128, never_ends: bool = False) -> Path:
+def write_tiny_llama_gguf(
+    path: Path, context_length: int = 128, never_ends: bool = False, arch: str = "llama"
+) -> Path:
     """A 2-layer Llama with a byte-level BPE vocabulary, weights quantized to Q8_0.
+
+    `arch="qwen2"`: the same shapes as a Qwen2, whose q/k/v projections carry biases.
 
     `never_ends`: the special tokens' (tied) embedding rows are zero, so their logit is 0
     and a greedy answer never picks one: it runs to its token limit (the served tests)."""
@@ -160,7 +164,7 @@ def write_tiny_llama_gguf(path: Path, context_length: int = 128, never_ends: boo
     tokens = sorted(model["vocab"], key=model["vocab"].get)
     merges = [" ".join(m) if isinstance(m, list) else m for m in model["merges"]]
 
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(LAYERS)
     writer.add_context_length(context_length)
     writer.add_embedding_length(HIDDEN)
@@ -205,6 +209,8 @@ def write_tiny_llama_gguf(path: Path, context_length: int = 128, never_ends: boo
                             ("attn_output", (HIDDEN, HIDDEN)), ("ffn_gate", (FFN, HIDDEN)),
                             ("ffn_up", (FFN, HIDDEN)), ("ffn_down", (HIDDEN, FFN))]:  # fmt: skip
             add_q8(f"blk.{block}.{name}.weight", shape)
+            if arch == "qwen2" and name in ("attn_q", "attn_k", "attn_v"):
+                writer.add_tensor(f"blk.{block}.{name}.bias", rng.normal(0, 0.1, shape[0]).astype(np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

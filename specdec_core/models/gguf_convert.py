@@ -52,9 +52,9 @@ from ..disk_cache import (  # re-exported: the cache's places are known by this 
     sweep_stale_temporaries,
 )
 from ..errors import FetchError, ModelLoadError
-from ..progress import ProgressCallback, check_cancelled
+from ..progress import Progress, ProgressCallback, check_cancelled
 from .fetch import exclusive
-from .gguf_to_hf import convert_with_transformers
+from .gguf_to_hf import convert_with_transformers, write_metadata
 
 __all__ = ["CACHE_ENV", "cache_dir", "downloads_dir", "fetched_gguf_dir", "file_sha256", "remembered_sha256"]
 
@@ -171,6 +171,38 @@ def convert_gguf(
     with exclusive(conversion_lock(actual), f"another specdec is converting {label}", progress, cancel):
         if usable_conversion(final, label=label, progress=progress, cancel=cancel) is None:
             _convert_into(final, gguf_path, actual, sha256 is not None, label, progress, cancel, converter)
+    return final
+
+
+def metadata_path(sha256: str) -> Path:
+    return converted_dir() / f"{sha256[:16]}-meta"
+
+
+def metadata_folder(
+    gguf_path: Path, *, label: str | None = None,
+    progress: ProgressCallback | None = None, cancel: threading.Event | None = None,
+) -> Path:  # fmt: skip
+    """A folder with `gguf_path`'s config and tokenizer, for running its blocks as stored.
+
+    The full conversion's folder when there is one; otherwise one written without the
+    weights (`gguf_to_hf.write_metadata`: a few MB), kept in the cache like a conversion.
+    """
+    label = label or gguf_path.name
+    sweep_stale_temporaries()
+    sha256 = remembered_sha256(gguf_path)
+    if sha256 is None:
+        sha256 = hash_file(gguf_path, label=label, progress=progress, cancel=cancel)
+        remember_sha256(gguf_path, sha256)
+    for folder in (converted_path(sha256), metadata_path(sha256)):
+        if usable_conversion(folder, label=label, progress=progress, cancel=cancel) is not None:
+            return folder
+    final = metadata_path(sha256)
+    converted_dir().mkdir(parents=True, exist_ok=True)
+    with exclusive(conversion_lock(sha256), f"another specdec is reading {label}", progress, cancel):
+        if usable_conversion(final, label=label, progress=progress, cancel=cancel) is None:
+            if progress is not None:
+                progress(Progress(f"Reading {label}'s tokenizer (once)", 0, 0))
+            _convert_into(final, gguf_path, sha256, False, label, progress, cancel, write_metadata)
     return final
 
 

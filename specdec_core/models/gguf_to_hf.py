@@ -48,6 +48,24 @@ def convert_with_transformers(
     tokenizer.save_pretrained(out_dir)
 
 
+def write_metadata(gguf_path: Path, out_dir: Path) -> None:
+    """Save `gguf_path`'s config, tokenizer and generation config, without its weights: what
+    running the file's blocks as stored needs besides the file itself (gguf_native.py)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    folder, name = str(gguf_path.parent), gguf_path.name
+    try:
+        config = AutoConfig.from_pretrained(folder, gguf_file=name, trust_remote_code=False)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, trust_remote_code=False)
+    except (ValueError, KeyError, OSError) as error:
+        raise ModelLoadError(f"cannot read {gguf_path.name}: {str(error).splitlines()[0]}") from None
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    _plain_generation_config(tokenizer).save_pretrained(out_dir)
+
+
 def _drop_gguf_quantizer(model) -> None:
     """Remove the "quantized with GGUF" marking, which makes save_pretrained refuse.
 

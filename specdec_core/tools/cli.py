@@ -203,6 +203,8 @@ def _generate(args: argparse.Namespace) -> int:
     if args.check_exactness:
         return _check_server(args, session, params)
     print(f"specdec: target on {info.description}, draft {info.draft_name}", file=sys.stderr)
+    if info.fidelity:
+        print(f"specdec: fidelity: {info.fidelity}", file=sys.stderr)
     if info.exactness is not None:
         print(f"specdec: exactness: {info.exactness.summary()}", file=sys.stderr)
     if info.warning:
@@ -248,7 +250,10 @@ def _report(
         prompt_ids = None if info.server else list(session.engine.target.ids[: stats.prompt_tokens] or [])
         doc: dict[str, Any] = {"prompt_token_ids": prompt_ids, "tokens": tokens, "text": done.text}
         doc["stats"] = stats.as_dict()  # with the self-check's exactness label and max logit difference
-        doc["target"] = {"ref": info.target, "device": info.device, "precision": info.precision or None}
+        doc["target"] = {
+            "ref": info.target, "device": info.device, "precision": info.precision or None,
+            "fidelity": info.fidelity or None,
+        }  # fmt: skip
         draft_ref = info.server.speculation if info.server else info.draft  # a server runs its own
         doc["draft"] = {"ref": draft_ref, "precision": info.draft_precision or None}
         if info.server:

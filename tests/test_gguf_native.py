@@ -1,0 +1,125 @@
+"""A GGUF run from its blocks as stored (`--precision gguf`): the same function as the file's
+weights de-quantized to fp32, up to summation order; the file is mapped, never converted."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from test_gguf_convert import write_tiny_llama_gguf
+
+from specdec_core import ChatSession, GenerationParams, LoadSpec, Message
+from specdec_core.errors import ModelLoadError
+from specdec_core.kernels.gguf_blocks import GGUFLinear
+from specdec_core.models import gguf_convert, gguf_native
+from specdec_core.models.gguf_file import read_gguf
+from specdec_core.models.loading import fidelity_label, load_model
+from specdec_core.tools import cli
+
+
+@pytest.fixture(autouse=True)
+def isolated_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def tiny_gguf(request, tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp(f"gguf-{request.param}")
+    return write_tiny_llama_gguf(folder / f"tiny-{request.param}.Q8_0.gguf", arch=request.param)
+
+
+def logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([ids])).logits[0].float()
+
+
+def test_the_header_reader_agrees_with_the_gguf_package(tiny_gguf):
+    import gguf
+
+    file = read_gguf(tiny_gguf)
+    reference = {t.name: t for t in gguf.GGUFReader(str(tiny_gguf)).tensors}
+    assert file.tensors.keys() == reference.keys()
+    for name, tensor in reference.items():
+        assert np.array_equal(np.asarray(tensor.data).view(np.uint8).reshape(-1), file.raw(name).reshape(-1)), name
+
+
+def test_as_stored_computes_what_the_files_weights_in_fp32_compute(tiny_gguf):
+    stored = load_model(str(tiny_gguf), device="cpu", precision="gguf")
+    converted = load_model(str(tiny_gguf), device="cpu", precision="fp32")
+    assert stored.precision == "gguf" and stored.fidelity == "as stored (GGUF)"  # the file names no mix
+    linears = [m for m in stored.model.modules() if isinstance(m, GGUFLinear)]
+    assert len(linears) == 2 * 7 + 1  # every projection and the head read the file's blocks
+    ids = stored.tokenizer("def is_prime(n): return n > 1 and hello world")["input_ids"]
+    a, b = logits(stored.model, ids), logits(converted.model, ids)
+    assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), (a - b).abs().max()
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+def test_as_stored_answers_exactly_as_the_target_alone_with_every_drafter(tiny_gguf):
+    session = ChatSession()
+    info = session.load(LoadSpec(target=str(tiny_gguf), draft="ngram", device="cpu", precision="gguf"))
+    assert info.precision == "gguf" and info.fidelity.startswith("as stored")
+    assert info.exactness is not None and info.exactness.bitwise
+    question = [Message("user", "hello world, hello world, speculative decoding")]
+    params = GenerationParams(max_new_tokens=24)
+    answers = {}
+    for enabled in (False, True):
+        session.speculation_enabled = enabled
+        answers[enabled] = [e for e in session.answer(question, params=params)][-1].token_ids
+    assert answers[True] == answers[False]
+
+
+def test_the_file_is_read_without_a_converted_copy(tiny_gguf):
+    load_model(str(tiny_gguf), device="cpu", precision="gguf")
+    folders = list(gguf_convert.converted_dir().iterdir())
+    assert [f.name.endswith("-meta") for f in folders] == [True]
+    assert not list(folders[0].glob("*.safetensors"))
+
+
+def test_gguf_precision_on_a_folder_is_one_line(tiny_folder):
+    with pytest.raises(ModelLoadError, match="is not a GGUF file: --precision gguf runs a GGUF's blocks"):
+        load_model(str(tiny_folder), device="cpu", precision="gguf")
+
+
+def test_an_architecture_without_a_mapping_is_refused_in_one_line(tiny_gguf, monkeypatch):
+    monkeypatch.setattr(gguf_native, "ARCHITECTURES", ("mistral3",))
+    with pytest.raises(ModelLoadError, match="models do not run as stored yet"):
+        load_model(str(tiny_gguf), device="cpu", precision="gguf")
+    assert load_model(str(tiny_gguf), device="cpu", precision="auto").precision != "gguf"
+
+
+def test_auto_runs_a_gguf_as_stored_only_where_the_kernels_are_fast(tiny_gguf, monkeypatch):
+    monkeypatch.setattr(gguf_native, "FAST_TYPES", frozenset({0, 8}))  # F32 and Q8_0
+    assert load_model(str(tiny_gguf), device="cpu", precision="auto").precision == "gguf"
+    monkeypatch.setattr(gguf_native, "FAST_TYPES", frozenset({0}))
+    slow = load_model(str(tiny_gguf), device="cpu", precision="auto")
+    assert slow.precision != "gguf" and slow.fidelity.startswith(f"re-quantized: {slow.precision} from")
+
+
+def test_a_truncated_gguf_is_one_line(tmp_path, tiny_gguf):
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(tiny_gguf.read_bytes()[:200])
+    with pytest.raises(ModelLoadError, match="damaged or truncated GGUF file"):
+        read_gguf(cut)
+
+
+def test_the_fidelity_label_says_what_each_precision_does_to_the_source(tiny_folder):
+    config = json.loads((tiny_folder / "config.json").read_text())
+    stored = config.get("dtype") or config.get("torch_dtype")
+    name = {"float32": "fp32", "bfloat16": "bf16"}[stored]
+
+    class Config:
+        dtype = stored
+
+    assert fidelity_label(tiny_folder, Config(), name) == f"as stored ({name})"
+    assert fidelity_label(tiny_folder, Config(), "int4") == f"re-quantized: int4 from {name}"
+
+
+def test_generate_json_reports_the_fidelity(capsys, tiny_gguf):
+    argv = ["generate", "--target", str(tiny_gguf), "--draft", "none", "--device", "cpu", "--precision", "gguf"]
+    assert cli.main([*argv, "--prompt", "hello", "--max-new-tokens", "4", "--json", "--no-calibrate"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["target"]["precision"] == "gguf" and doc["target"]["fidelity"].startswith("as stored")
