@@ -26,7 +26,7 @@ from test_gguf_convert import CountingConverter, write, write_tiny_llama_gguf
 
 from specdec_core import disk_cache as cache
 from specdec_core.errors import Cancelled, FetchError, SpecdecError
-from specdec_core.models import conversion_process, gguf_convert
+from specdec_core.models import conversion_process, gguf_convert, gguf_to_hf
 from specdec_core.models import fetch as fetch_module
 from specdec_core.models.cache_admin import verify_cache
 from specdec_core.models.gguf_convert import SourceMismatch, convert_gguf, converted_dir
@@ -311,7 +311,7 @@ def test_the_conversion_child_reports_safetensors_disk_full_as_one_line(tmp_path
             'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })'
         )
 
-    monkeypatch.setattr(gguf_convert, "convert_with_transformers", save_fails)
+    monkeypatch.setattr(gguf_to_hf, "convert_with_transformers", save_fails)
     assert conversion_process.main([str(tmp_path / "m.gguf"), str(tmp_path / "out")]) == 2
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 1 and lines[0].startswith("specdec-convert: error no space left on the disk holding")

@@ -12,7 +12,7 @@ from specdec_core.engine.kvcache import CachedModel
 from specdec_core.kernels import huge_pages, native
 from specdec_core.kernels.huge_pages import HUGE_PAGE, place_in_huge_pages
 from specdec_core.kernels.int4_cpu import Int4Linear
-from specdec_core.models import loading
+from specdec_core.models import cpu_backend
 from specdec_core.models.cpu_backend import prepare_for_cpu
 
 needs_kernel = pytest.mark.skipif(native.unavailable() is not None, reason=str(native.unavailable()))
@@ -21,7 +21,7 @@ needs_kernel = pytest.mark.skipif(native.unavailable() is not None, reason=str(n
 def _int4_in_place(model, monkeypatch):
     """As loading makes it at int4, but with the weights left where quantizing put them."""
     with monkeypatch.context() as patch:
-        patch.setattr(loading, "place_in_huge_pages", lambda modules: 0)
+        patch.setattr(cpu_backend, "place_in_huge_pages", lambda modules: 0)
         prepare_for_cpu(model, "int4")
     return model
 

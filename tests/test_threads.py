@@ -259,9 +259,12 @@ def test_under_load_times_every_condition_and_restores_the_governor(target, toke
     assert "one busy process" in under_load_markdown(runs)
 
 
-def test_importing_the_library_sets_a_short_openmp_spin_before_torch_is_loaded() -> None:
+def test_preparing_the_process_sets_a_short_openmp_spin_before_torch_is_loaded() -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
-    code = "import os, sys, specdec_core; print(os.environ.get('GOMP_SPINCOUNT'), 'torch' in sys.modules)"
+    code = (
+        "import os, sys, specdec_core; specdec_core.prepare_process(); "
+        "print(os.environ.get('GOMP_SPINCOUNT'), 'torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     # libgomp reads the variable once, when torch loads it: it must be set and torch not yet loaded.
     assert out.stdout.split() == [openmp.SPIN_COUNT, "False"]
