@@ -129,7 +129,7 @@ def _generate_json(capsys, *args: str) -> dict:
 
 def test_answer_is_tinted_hoverable_and_equals_specdec_generate(qtbot, open_window, models, capsys):
     window = open_window("--target", models["target"], "--draft", models["near"])
-    assert window.findChild(object, "resolvedLabel").text() == "cpu · fp32"
+    assert window.findChild(object, "resolvedLabel").text() == "cpu · fp32 · as stored (fp32)"
     _pin_draft_length(window, 3)
     message = _send(qtbot, window, PROMPT)
 

@@ -283,8 +283,8 @@ def test_auto_precision_on_cuda_fits_the_weights_in_free_memory(monkeypatch, fre
 
 
 def test_offload_lets_accelerate_place_the_layers():
-    assert loading._placement("cuda", "bf16", offload=True)["device_map"] == "auto"
-    assert loading._placement("cuda", "bf16", offload=False)["device_map"] == {"": 0}
+    assert loading.placement("cuda", "bf16", offload=True)["device_map"] == "auto"
+    assert loading.placement("cuda", "bf16", offload=False)["device_map"] == {"": 0}
 
 
 def test_a_reader_that_goes_away_ends_the_command_quietly(capsys, monkeypatch, tiny_folder):
@@ -308,4 +308,4 @@ def test_a_loaded_model_runs_its_own_layers_not_hub_kernels(tiny_folder, precisi
     # Kernelizing needs the network and replaces the layers the exactness hooks are made for.
     model = loading.load_model(str(tiny_folder), device="cpu", precision=precision).model
     assert model.use_kernels is False
-    assert loading._placement("cuda", "nf4", offload=False)["use_kernels"] is False
+    assert loading.placement("cuda", "nf4", offload=False)["use_kernels"] is False

@@ -343,7 +343,7 @@ def _load_weights(
 ) -> Any:
     from transformers import AutoModelForCausalLM
 
-    kwargs = _placement(device, precision, offload)
+    kwargs = placement(device, precision, offload)
     kwargs["trust_remote_code"] = trust_remote_code
     try:
         # With output_loading_info, from_pretrained returns (model, loading info).
@@ -381,7 +381,7 @@ def _oom_hint(device: str, precision: str) -> str:
     return "try " + ", ".join(tries[:-1]) + (" or " if len(tries) > 1 else "") + tries[-1]
 
 
-def _placement(device: str, precision: str, offload: bool) -> dict[str, Any]:
+def placement(device: str, precision: str, offload: bool) -> dict[str, Any]:
     """from_pretrained's dtype / quantization / device_map for a device and precision."""
     # transformers otherwise swaps layers (rotary, norms) for kernels fetched from the hub:
     # a load that needs the network, and numbers that are no longer the ones the
