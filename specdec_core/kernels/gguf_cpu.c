@@ -638,35 +638,75 @@ static void quantize_row(int kind, const float *x, int64_t k, act_group *groups)
 
 /* ---- weights: one column's group of 256 (or the last, shorter one) as integers ---- */
 
-/* Lane scales of a K-quant: lane j of chunk c covers inputs 64c + 4j.., in sub-block
- * (64c + 4j) / per of `per` inputs. */
-static void lane_scales(weight_group *g, const int *scale, int per) {
-    for (int c = 0; c < CHUNKS; c++)
-        for (int j = 0; j < LANES; j++) g->scale[c][j] = scale[(CHUNK * c + 4 * j) / per];
+/* Lane scales of a K-quant: lane j of chunk c covers inputs 64c + 4j.., in sub-block 2c + j / 8
+ * of 32 inputs, or 4c + j / 4 of 16. */
+static inline void lane_scales_32(weight_group *g, const int *scale) {
+    for (int s = 0; s < 8; s++) {
+#ifndef V16_SCALAR
+        _mm256_store_si256((__m256i *)(g->scale[s / 2] + 8 * (s % 2)), _mm256_set1_epi32(scale[s]));
+#else
+        for (int j = 0; j < 8; j++) g->scale[s / 2][8 * (s % 2) + j] = scale[s];
+#endif
+    }
+}
+static inline void lane_scales_16(weight_group *g, const int *scale) {
+    for (int s = 0; s < 16; s++) {
+#ifndef V16_SCALAR
+        _mm_store_si128((__m128i *)(g->scale[s / 4] + 4 * (s % 4)), _mm_set1_epi32(scale[s]));
+#else
+        for (int j = 0; j < 4; j++) g->scale[s / 4][4 * (s % 4) + j] = scale[s];
+#endif
+    }
+}
+
+/* The 8 scales and 8 mins of a K-quant's 12 scale bytes, as scale_min_k4 reads them, without
+ * branches (ggml's kmask form). */
+static inline void scales_mins_k4(const uint8_t *bytes, int *sc, int *m) {
+    uint32_t u[4];
+    memcpy(u, bytes, 12);
+    const uint32_t six = 0x3f3f3f3f, four = 0x0f0f0f0f, two = 0x03030303;
+    u[3] = ((u[2] >> 4) & four) | (((u[1] >> 6) & two) << 4);
+    uint32_t low_mins = u[1] & six;
+    u[1] = (u[2] & four) | (((u[0] >> 6) & two) << 4);
+    u[2] = low_mins;
+    u[0] &= six;
+    uint8_t bytes_out[16];
+    memcpy(bytes_out, u, sizeof bytes_out);
+    for (int s = 0; s < 8; s++) sc[s] = bytes_out[s], m[s] = bytes_out[8 + s];
 }
 
 static void group_q4_k(const uint8_t *b, weight_group *g) {
     int sc[8], m[8];
-    for (int s = 0; s < 8; s++) scale_min_k4(s, b + 4, &sc[s], &m[s]);
+    scales_mins_k4(b + 4, sc, m);
     const uint8_t *qs = b + 16;
+#ifndef V16_SCALAR
+    const __m256i nibble = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8((char)WEIGHT_FLIP);
+    for (int c = 0; c < 4; c++) {
+        __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+        _mm256_store_si256((__m256i *)(g->w + 64 * c), _mm256_xor_si256(_mm256_and_si256(v, nibble), flip));
+        _mm256_store_si256((__m256i *)(g->w + 64 * c + 32),
+                           _mm256_xor_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), nibble), flip));
+    }
+#else
     for (int c = 0; c < 4; c++)
         for (int l = 0; l < 32; l++) {
             g->w[64 * c + l] = STORE_WEIGHT(qs[32 * c + l] & 0x0F);
             g->w[64 * c + 32 + l] = STORE_WEIGHT(qs[32 * c + l] >> 4);
         }
-    lane_scales(g, sc, 32);
+#endif
+    lane_scales_32(g, sc);
     for (int i = 0; i < LANES; i++) g->mins[i] = (float)m[i / 2];
     g->dk = half_at(b), g->dmin = half_at(b + 2);
 }
 
 static void group_q5_k(const uint8_t *b, weight_group *g) {
     int sc[8], m[8];
-    for (int s = 0; s < 8; s++) scale_min_k4(s, b + 4, &sc[s], &m[s]);
+    scales_mins_k4(b + 4, sc, m);
     const uint8_t *qh = b + 16, *qs = b + 48;
     for (int s = 0; s < 8; s++)
         for (int l = 0; l < 32; l++)
             g->w[32 * s + l] = STORE_WEIGHT(((qs[32 * (s / 2) + l] >> 4 * (s & 1)) & 0x0F) | ((qh[l] >> s) & 1) << 4);
-    lane_scales(g, sc, 32);
+    lane_scales_32(g, sc);
     for (int i = 0; i < LANES; i++) g->mins[i] = (float)m[i / 2];
     g->dk = half_at(b), g->dmin = half_at(b + 2);
 }
@@ -675,13 +715,28 @@ static void group_q6_k(const uint8_t *b, weight_group *g) {
     const uint8_t *ql = b, *qh = b + 128;
     int sc[16];
     for (int i = 0; i < 16; i++) sc[i] = ((const int8_t *)(b + 192))[i];
+#ifndef V16_SCALAR
+    const __m256i nibble = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(3), minus = _mm256_set1_epi8(32),
+                  flip = _mm256_set1_epi8((char)WEIGHT_FLIP);
+    for (int h = 0; h < 2; h++) {
+        __m256i high = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
+        for (int p = 0; p < 4; p++) {
+            __m256i low = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32 * (p & 1)));
+            low = _mm256_and_si256(_mm256_srli_epi16(low, 4 * (p / 2)), nibble);
+            __m256i top = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 2 * p), two), 4);
+            __m256i q = _mm256_sub_epi8(_mm256_or_si256(low, top), minus);
+            _mm256_store_si256((__m256i *)(g->w + 128 * h + 32 * p), _mm256_xor_si256(q, flip));
+        }
+    }
+#else
     for (int h = 0; h < 2; h++)
         for (int p = 0; p < 4; p++)
             for (int l = 0; l < 32; l++) {
                 int low = (ql[64 * h + 32 * (p & 1) + l] >> 4 * (p / 2)) & 0x0F, high = (qh[32 * h + l] >> 2 * p) & 3;
                 g->w[128 * h + 32 * p + l] = STORE_WEIGHT((low | high << 4) - 32);
             }
-    lane_scales(g, sc, 16);
+#endif
+    lane_scales_16(g, sc);
     g->dk = half_at(b + 208);
 }
 
@@ -835,7 +890,7 @@ static void int_column_tile(int type, const uint8_t *w, int64_t block, int64_t b
     float acc[ROW_BLOCK][COLS][LANES] __attribute__((aligned(64)));
     for (int64_t r0 = 0; r0 < rows; r0 += ROW_BLOCK) {
         int64_t block_rows = rows - r0 < ROW_BLOCK ? rows - r0 : ROW_BLOCK;
-        memset(acc, 0, sizeof acc);
+        memset(acc, 0, sizeof acc[0] * (size_t)block_rows);
         for (int64_t g = 0; g < groups; g++) {
             int chunks = (int)((k - g * GROUP + CHUNK - 1) / CHUNK);
             if (chunks > CHUNKS) chunks = CHUNKS;
