@@ -1,5 +1,6 @@
-"""GGUF weights as stored (gguf_blocks, gguf_cpu.c): the gguf package's values exactly, its
-matrix times x up to summation order, the same bits for a row whatever the batch, thread count
+"""GGUF weights as stored (gguf_blocks, gguf_cpu.c) times fp32 rows ("f32" activations; the
+"q8" mode is tests/test_gguf_int.py's): the gguf package's values exactly, its matrix times x
+up to summation order, the same bits for a row whatever the batch, thread count
 or build, a labelled fallback without the kernels, and a one-line refusal of other types."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf import quants as gguf_quants
 
 from specdec_core.kernels import cpu, gguf_blocks, native
-from specdec_core.kernels.gguf_blocks import FALLBACK, NATIVE, GGUFLinear, UnsupportedBlockType
+from specdec_core.kernels.gguf_blocks import F32, FALLBACK, NATIVE, GGUFLinear, UnsupportedBlockType
 
 needs_kernel = pytest.mark.skipif(native.unavailable() is not None, reason=str(native.unavailable()))
 
@@ -52,12 +53,12 @@ def _stored_blocks(
 def _linear(
     qtype: GGMLQuantizationType, out_features: int = 37, bias: bool = True, seed: int = 0
 ) -> GGUFLinear:
-    """37 outputs: not a whole number of the kernel's column tiles."""
+    """37 outputs: not a whole number of the kernel's column tiles; fp32 rows."""
     in_features = _inputs_for(qtype)
     generator = torch.Generator().manual_seed(seed)
     return GGUFLinear(
         qtype, _stored_blocks(qtype, out_features, in_features, seed), in_features, out_features,
-        torch.randn(out_features, generator=generator) if bias else None,
+        torch.randn(out_features, generator=generator) if bias else None, activations=F32,
     )  # fmt: skip
 
 

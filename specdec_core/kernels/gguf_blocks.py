@@ -6,14 +6,22 @@ dequantized or re-quantized version) and computes
 
     y = x @ W.T (+ bias),   W = gguf.quants.dequantize(blocks, qtype), bit for bit,
 
-with x in fp32, unquantized. `gguf_cpu.c` decodes each block in registers and sums in an order
-fixed per (row, column), so a row's result is bitwise the same whatever the number of rows in
-the call and the thread count: what speculative decoding's exactness needs.
+with x either quantized as llama.cpp quantizes it ("q8", below) or in fp32, unquantized ("f32").
+`gguf_cpu.c` sums in an order fixed per (row, column) either way, so a row's result is bitwise
+the same whatever the number of rows in the call and the thread count: what speculative
+decoding's exactness needs.
 
 Where the C kernels cannot run (no compiler: `native.unavailable()` says why), the linear
 dequantizes its weights with `gguf.quants` on every call and multiplies a row at a time in
 torch: slower, the same weights, its own (fixed-shape) summation order. `GGUFLinear.path` says
 which of the two runs, for the fidelity label.
+
+Activations (`GGUFLinear.activations`): with `"q8"`, the default wherever the kernels run a
+quantized type, each row of x is first quantized to the Q8 blocks llama.cpp pairs with the
+weights' type (Q8_K for the K-quants, Q8_0 or Q8_1 for the 32-weight types) and the blocks
+meet as integers: llama.cpp's own function, up to the order of the float sums, still batch-
+invariant. With `"f32"` x is not quantized at all (the float types always run so).
+`GGUFLinear.fidelity` says which in words, for the fidelity label.
 
 `block_type` is the one place that says which block types run here; any other (IQ2_XS, Q3_K,
 ...) is refused in one line naming it.
@@ -48,6 +56,19 @@ SUPPORTED = (
 )
 NATIVE = "native"  # gguf_cpu.c, the blocks decoded in registers
 FALLBACK = "fallback"  # gguf.quants dequantizes the blocks on every call, torch multiplies
+Q8 = "q8"  # rows quantized to llama.cpp's Q8 blocks, integer block products
+F32 = "f32"  # rows as they are, fp32
+# The Q8 blocks llama.cpp quantizes activations to for each weight type (its vec_dot_type).
+ACTIVATION_BLOCKS = {
+    GGMLQuantizationType.Q4_0: "Q8_0",
+    GGMLQuantizationType.Q5_0: "Q8_0",
+    GGMLQuantizationType.Q8_0: "Q8_0",
+    GGMLQuantizationType.Q4_1: "Q8_1",
+    GGMLQuantizationType.Q5_1: "Q8_1",
+    GGMLQuantizationType.Q4_K: "Q8_K",
+    GGMLQuantizationType.Q5_K: "Q8_K",
+    GGMLQuantizationType.Q6_K: "Q8_K",
+}
 
 
 class UnsupportedBlockType(ValueError):
@@ -88,6 +109,8 @@ def _typed(lib: ctypes.CDLL) -> ctypes.CDLL:
     pointer, size, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.gguf_linear.argtypes = [c_int, pointer, size, size, pointer, size, pointer, pointer, c_int]
     lib.gguf_linear.restype = c_int
+    lib.gguf_linear_q8.argtypes = [c_int, pointer, size, size, pointer, size, pointer, pointer, c_int]
+    lib.gguf_linear_q8.restype = c_int
     lib.gguf_dequantize.argtypes = [c_int, pointer, size, size, pointer, c_int]
     lib.gguf_dequantize.restype = c_int
     lib.gguf_block_bytes.argtypes = [c_int, ctypes.POINTER(ctypes.c_int64)]
@@ -125,7 +148,10 @@ class GGUFLinear(nn.Module):
         in_features: int,
         out_features: int,
         bias: torch.Tensor | None = None,
+        activations: str | None = None,
     ) -> None:
+        """`activations`: "q8" or "f32" (see the module's docstring); None picks "q8" where it
+        runs (a quantized type, the kernels present), "f32" otherwise."""
         super().__init__()
         self.qtype = block_type(qtype)
         self.in_features, self.out_features = in_features, out_features
@@ -141,21 +167,48 @@ class GGUFLinear(nn.Module):
         )
         self.fallback_reason = native.unavailable()  # None: the C kernel runs
         self.path = NATIVE if self.fallback_reason is None else FALLBACK
+        self.activations = self._activations(activations)
+
+    def _activations(self, asked: str | None) -> str:
+        """The activation mode this linear runs: `asked`, or the best one where None."""
+        runs_q8 = self.path == NATIVE and self.qtype in ACTIVATION_BLOCKS
+        if asked is None:
+            return Q8 if runs_q8 else F32
+        if asked not in (Q8, F32):
+            raise ValueError(f"activations must be {Q8!r} or {F32!r}, not {asked!r}")
+        if asked == Q8 and not runs_q8:
+            why = self.fallback_reason if self.path == FALLBACK else f"{self.qtype.name} weights are floats"
+            raise ValueError(f"Q8 activations cannot run here: {why}")
+        return asked
+
+    @property
+    def fidelity(self) -> str:
+        """What this linear computes, in words: the weights as stored, and the activations."""
+        if self.activations == Q8:
+            return f"as stored, activations {ACTIVATION_BLOCKS[self.qtype]} like llama.cpp"
+        return "as stored, fp32 activations"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if rows.dtype != torch.float32 or not rows.is_contiguous():
             rows = rows.float().contiguous()
-        y = self._native(rows) if self.path == NATIVE else self._fallback(rows)
+        if self.path == FALLBACK:
+            y = self._fallback(rows)
+        else:
+            y = self._native(
+                rows, kernel().gguf_linear_q8 if self.activations == Q8 else kernel().gguf_linear
+            )
         return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
 
-    def _native(self, rows: torch.Tensor) -> torch.Tensor:
+    def _native(self, rows: torch.Tensor, linear: ctypes._NamedFuncPointer) -> torch.Tensor:
         y = torch.empty(rows.shape[0], self.out_features)
-        status = kernel().gguf_linear(
+        status = linear(
             int(self.qtype), self.blocks.ctypes.data, self.out_features, self.in_features, rows.data_ptr(),
             rows.shape[0], None if self.bias is None else self.bias.data_ptr(), y.data_ptr(),
             torch.get_num_threads(),
         )  # fmt: skip
+        if status == -3:
+            raise MemoryError(f"no memory to quantize {rows.shape[0]} rows of {self.in_features} inputs")
         if status != 0:
             raise ValueError(
                 f"gguf_cpu.c refused a {self.out_features}x{self.in_features} {self.qtype.name} linear"
@@ -187,5 +240,5 @@ class GGUFLinear(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, qtype={self.qtype.name}, "
-            f"path={self.path}"
+            f"path={self.path}, activations={self.activations}"
         )

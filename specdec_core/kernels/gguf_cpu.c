@@ -459,3 +459,477 @@ int64_t gguf_block_bytes(int type, int64_t *weights) {
     int64_t bytes;
     return block_format(type, weights, &bytes) ? bytes : 0;
 }
+
+/* ---------------------------------------------------------------------------------------------
+ * Integer activations, as llama.cpp computes a GGUF linear on the CPU.
+ *
+ *     y[r, o] = ggml_vec_dot_<type>_<q8>(W[o], quantize_row_<q8>_ref(x[r]))   (+ bias[o])
+ *
+ * Each row of x is quantized once per call exactly as ggml-quants.c's reference quantizers do:
+ * Q8_K (256 inputs a block, d = max / -127 with the sign of the largest, nearest_int, bsums
+ * of 16) for Q4_K, Q5_K and Q6_K; Q8_0 (32 a block, fp16 d = amax / 127, roundf) for Q4_0,
+ * Q5_0 and Q8_0; Q8_1 (Q8_0 plus fp16 s = d * the sum of the quants) for Q4_1 and Q5_1.
+ * Weight and activation quants then meet as integers, the sums exact in int32, and only the
+ * block scales are floats: the function llama.cpp's ggml_vec_dot_* computes, up to the order
+ * of the float sums, which is this kernel's own and fixed:
+ *
+ *   - A group is 256 inputs (a K-quant block; eight 32-input blocks) in four chunks of 64.
+ *     Lane j (0..15) of a chunk is the exact integer sum of weight x activation over the
+ *     chunk's inputs 4j..4j+3, which lie in one block (one K-quant sub-block) each.
+ *   - K-quants: lane j of a group is the sum over its chunks of lane j times the lane's
+ *     sub-block scale, still exact; then acc = fma(d_w * d_x, lane, acc) for each of 16 float
+ *     lanes, and for Q4_K/Q5_K acc = fnma(dmin_w * d_x, min(g) * bsum(g), acc), lane g
+ *     holding the g-th 16 inputs (the product exact).
+ *   - 32-input blocks: per chunk, acc = fma(d_w * d_x of the lane's block, lane, acc), and for
+ *     Q4_1/Q5_1 acc = fma(m_w, s_x, acc) in one lane per block.
+ *   - y = v16_reduce_add_ps(acc) (+ bias), groups taken in order.
+ *
+ * The integer lanes are computed differently by each build (VNNI's vpdpbusd, AVX2's
+ * pmaddubsw and pmaddwd, plain C) but are exact, and every float operation above is the same
+ * IEEE operation in the same order on all three, so a row's result depends on that row and
+ * the weights alone: not on the number of rows, the thread count (threads split the output
+ * columns) or the build.
+ * ------------------------------------------------------------------------------------------- */
+#include <math.h>
+#include <stdlib.h>
+
+#define GROUP 256
+#define CHUNK 64
+#define CHUNKS (GROUP / CHUNK)
+
+/* The VNNI build multiplies unsigned weights by signed activations (vpdpbusd): it stores each
+ * weight plus 128 and adds -128 x each lane's activation sum back (act_group.offset). */
+#ifdef V16_AVX512
+#define WEIGHT_FLIP 0x80
+#else
+#define WEIGHT_FLIP 0
+#endif
+#define STORE_WEIGHT(value) ((int8_t)((uint8_t)(int8_t)(value) ^ WEIGHT_FLIP))
+
+/* One row's 256 inputs, quantized; inputs past k are zeros. */
+typedef struct {
+    int8_t q[GROUP] __attribute__((aligned(64)));
+    int32_t offset[CHUNKS][LANES] __attribute__((aligned(64))); /* VNNI: -128 x the lane's q sum */
+    float d[CHUNKS][LANES] __attribute__((aligned(64)));        /* Q8_0/Q8_1: the lane's block d */
+    float s[CHUNKS][LANES] __attribute__((aligned(64)));        /* Q8_1: the lane's block s */
+    float bsums[LANES] __attribute__((aligned(64)));            /* Q8_K: sums of 16 quants */
+    float dk;                                                   /* Q8_K: the block's d */
+} act_group;
+
+/* One output column's 256 weights as integers, with their scales. */
+typedef struct {
+    int8_t w[GROUP] __attribute__((aligned(64)));                /* STORE_WEIGHT of each */
+    int32_t scale[CHUNKS][LANES] __attribute__((aligned(64)));   /* K-quants: the lane's sub-block scale */
+    float d[CHUNKS][LANES] __attribute__((aligned(64)));         /* 32-weight blocks: the lane's block d */
+    float m[CHUNKS][LANES] __attribute__((aligned(64)));         /* Q4_1/Q5_1: m in a block's first lane, 0 elsewhere */
+    float mins[LANES] __attribute__((aligned(64)));              /* Q4_K/Q5_K: the min of inputs 16g..16g+15 */
+    float dk, dmin;                                              /* K-quants */
+} weight_group;
+
+/* fp32 to fp16 bits, rounding to nearest even (ggml's GGML_FP32_TO_FP16; F16C's vcvtps2ph). */
+#ifdef V16_SCALAR
+static uint16_t float_to_half(float value) {
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    uint32_t sign = (bits >> 16) & 0x8000, magnitude = bits & 0x7FFFFFFF;
+    if (magnitude > 0x7F800000) return (uint16_t)(sign | 0x7E00); /* NaN */
+    if (magnitude >= 0x477FF000) return (uint16_t)(sign | 0x7C00); /* rounds past 65504: inf */
+    if (magnitude < 0x38800000) { /* fp16 subnormal or zero: units of 2^-24, to nearest even */
+        float scaled = fabsf(value) * 0x1p24f; /* exact: a power of two */
+        return (uint16_t)(sign | (uint32_t)nearbyintf(scaled));
+    }
+    uint32_t rounded = magnitude + 0xFFF + ((magnitude >> 13) & 1);
+    return (uint16_t)(sign | (rounded - 0x38000000) >> 13);
+}
+#else
+static inline uint16_t float_to_half(float value) { return _cvtss_sh(value, _MM_FROUND_TO_NEAREST_INT); }
+#endif
+
+/* The fp16 rounding of an fp32, back as fp32. */
+static inline float half_rounded(float value) { return half_to_float(float_to_half(value)); }
+
+/* ggml-quants.c's nearest_int: to nearest, ties to even, for |value| < 2^22. */
+static inline int nearest_int(float value) {
+    float shifted = value + 12582912.f;
+    int32_t bits;
+    memcpy(&bits, &shifted, sizeof bits);
+    return (bits & 0x007FFFFF) - 0x00400000;
+}
+
+/* quantize_row_q8_K_ref on 256 inputs. */
+static void quantize_q8_k(const float *x, act_group *a) {
+    float max = 0, amax = 0;
+    for (int j = 0; j < GROUP; j++) {
+        float ax = fabsf(x[j]);
+        if (ax > amax) amax = ax, max = x[j];
+    }
+    memset(a->bsums, 0, sizeof a->bsums);
+    if (!amax) {
+        a->dk = 0;
+        memset(a->q, 0, sizeof a->q);
+        return;
+    }
+    const float iscale = -127.f / max;
+    for (int j = 0; j < GROUP; j++) {
+        int v = nearest_int(iscale * x[j]);
+        a->q[j] = (int8_t)(v < 127 ? v : 127);
+    }
+    for (int g = 0; g < LANES; g++) {
+        int sum = 0;
+        for (int i = 0; i < 16; i++) sum += a->q[16 * g + i];
+        a->bsums[g] = (float)sum;
+    }
+    a->dk = 1 / iscale;
+}
+
+/* quantize_row_q8_0_ref (with_sum: quantize_row_q8_1_ref) on n <= 256 inputs, n a multiple
+ * of 32; the rest of the group zero. */
+static void quantize_q8_0(const float *x, int n, int with_sum, act_group *a) {
+    memset(a->q, 0, sizeof a->q);
+    memset(a->d, 0, sizeof a->d);
+    memset(a->s, 0, sizeof a->s);
+    for (int b = 0; b < n / 32; b++) {
+        const float *xb = x + 32 * b;
+        float amax = 0.0f;
+        for (int j = 0; j < 32; j++) amax = amax > fabsf(xb[j]) ? amax : fabsf(xb[j]);
+        const float d = amax / ((1 << 7) - 1);
+        const float id = d ? 1.0f / d : 0.0f;
+        int sum = 0;
+        for (int j = 0; j < 32; j++) {
+            a->q[32 * b + j] = (int8_t)roundf(xb[j] * id);
+            sum += a->q[32 * b + j];
+        }
+        float *d_lanes = a->d[b / 2] + 8 * (b % 2), *s_lanes = a->s[b / 2] + 8 * (b % 2);
+        for (int j = 0; j < 8; j++) d_lanes[j] = half_rounded(d);
+        if (with_sum) s_lanes[0] = half_rounded((float)sum * d);
+    }
+}
+
+/* The VNNI build's correction for its weights' +128: -128 x each lane's four quants. */
+static void lane_offsets(act_group *a) {
+    for (int c = 0; c < CHUNKS; c++)
+        for (int j = 0; j < LANES; j++) {
+            const int8_t *q = a->q + CHUNK * c + 4 * j;
+            a->offset[c][j] = -128 * (q[0] + q[1] + q[2] + q[3]);
+        }
+}
+
+/* Which activation blocks a weight type meets: 'K' (Q8_K), '0' (Q8_0), '1' (Q8_1), 0: none. */
+static int activation_kind(int type) {
+    switch (type) {
+        case Q4_K: case Q5_K: case Q6_K: return 'K';
+        case Q4_0: case Q5_0: case Q8_0: return '0';
+        case Q4_1: case Q5_1: return '1';
+        default: return 0;
+    }
+}
+
+/* Row x [k] into groups [ceil(k / 256)]. */
+static void quantize_row(int kind, const float *x, int64_t k, act_group *groups) {
+    for (int64_t g = 0; g * GROUP < k; g++) {
+        int n = k - g * GROUP < GROUP ? (int)(k - g * GROUP) : GROUP;
+        if (kind == 'K')
+            quantize_q8_k(x + g * GROUP, groups + g);
+        else
+            quantize_q8_0(x + g * GROUP, n, kind == '1', groups + g);
+        lane_offsets(groups + g);
+    }
+}
+
+/* ---- weights: one column's group of 256 (or the last, shorter one) as integers ---- */
+
+/* Lane scales of a K-quant: lane j of chunk c covers inputs 64c + 4j.., in sub-block 2c + j / 8
+ * of 32 inputs, or 4c + j / 4 of 16. */
+static inline void lane_scales_32(weight_group *g, const int *scale) {
+    for (int s = 0; s < 8; s++) {
+#ifndef V16_SCALAR
+        _mm256_store_si256((__m256i *)(g->scale[s / 2] + 8 * (s % 2)), _mm256_set1_epi32(scale[s]));
+#else
+        for (int j = 0; j < 8; j++) g->scale[s / 2][8 * (s % 2) + j] = scale[s];
+#endif
+    }
+}
+static inline void lane_scales_16(weight_group *g, const int *scale) {
+    for (int s = 0; s < 16; s++) {
+#ifndef V16_SCALAR
+        _mm_store_si128((__m128i *)(g->scale[s / 4] + 4 * (s % 4)), _mm_set1_epi32(scale[s]));
+#else
+        for (int j = 0; j < 4; j++) g->scale[s / 4][4 * (s % 4) + j] = scale[s];
+#endif
+    }
+}
+
+/* The 8 scales and 8 mins of a K-quant's 12 scale bytes, as scale_min_k4 reads them, without
+ * branches (ggml's kmask form). */
+static inline void scales_mins_k4(const uint8_t *bytes, int *sc, int *m) {
+    uint32_t u[4];
+    memcpy(u, bytes, 12);
+    const uint32_t six = 0x3f3f3f3f, four = 0x0f0f0f0f, two = 0x03030303;
+    u[3] = ((u[2] >> 4) & four) | (((u[1] >> 6) & two) << 4);
+    uint32_t low_mins = u[1] & six;
+    u[1] = (u[2] & four) | (((u[0] >> 6) & two) << 4);
+    u[2] = low_mins;
+    u[0] &= six;
+    uint8_t bytes_out[16];
+    memcpy(bytes_out, u, sizeof bytes_out);
+    for (int s = 0; s < 8; s++) sc[s] = bytes_out[s], m[s] = bytes_out[8 + s];
+}
+
+static void group_q4_k(const uint8_t *b, weight_group *g) {
+    int sc[8], m[8];
+    scales_mins_k4(b + 4, sc, m);
+    const uint8_t *qs = b + 16;
+#ifndef V16_SCALAR
+    const __m256i nibble = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8((char)WEIGHT_FLIP);
+    for (int c = 0; c < 4; c++) {
+        __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+        _mm256_store_si256((__m256i *)(g->w + 64 * c), _mm256_xor_si256(_mm256_and_si256(v, nibble), flip));
+        _mm256_store_si256((__m256i *)(g->w + 64 * c + 32),
+                           _mm256_xor_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), nibble), flip));
+    }
+#else
+    for (int c = 0; c < 4; c++)
+        for (int l = 0; l < 32; l++) {
+            g->w[64 * c + l] = STORE_WEIGHT(qs[32 * c + l] & 0x0F);
+            g->w[64 * c + 32 + l] = STORE_WEIGHT(qs[32 * c + l] >> 4);
+        }
+#endif
+    lane_scales_32(g, sc);
+    for (int i = 0; i < LANES; i++) g->mins[i] = (float)m[i / 2];
+    g->dk = half_at(b), g->dmin = half_at(b + 2);
+}
+
+static void group_q5_k(const uint8_t *b, weight_group *g) {
+    int sc[8], m[8];
+    scales_mins_k4(b + 4, sc, m);
+    const uint8_t *qh = b + 16, *qs = b + 48;
+    for (int s = 0; s < 8; s++)
+        for (int l = 0; l < 32; l++)
+            g->w[32 * s + l] = STORE_WEIGHT(((qs[32 * (s / 2) + l] >> 4 * (s & 1)) & 0x0F) | ((qh[l] >> s) & 1) << 4);
+    lane_scales_32(g, sc);
+    for (int i = 0; i < LANES; i++) g->mins[i] = (float)m[i / 2];
+    g->dk = half_at(b), g->dmin = half_at(b + 2);
+}
+
+static void group_q6_k(const uint8_t *b, weight_group *g) {
+    const uint8_t *ql = b, *qh = b + 128;
+    int sc[16];
+    for (int i = 0; i < 16; i++) sc[i] = ((const int8_t *)(b + 192))[i];
+#ifndef V16_SCALAR
+    const __m256i nibble = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(3), minus = _mm256_set1_epi8(32),
+                  flip = _mm256_set1_epi8((char)WEIGHT_FLIP);
+    for (int h = 0; h < 2; h++) {
+        __m256i high = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
+        for (int p = 0; p < 4; p++) {
+            __m256i low = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32 * (p & 1)));
+            low = _mm256_and_si256(_mm256_srli_epi16(low, 4 * (p / 2)), nibble);
+            __m256i top = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 2 * p), two), 4);
+            __m256i q = _mm256_sub_epi8(_mm256_or_si256(low, top), minus);
+            _mm256_store_si256((__m256i *)(g->w + 128 * h + 32 * p), _mm256_xor_si256(q, flip));
+        }
+    }
+#else
+    for (int h = 0; h < 2; h++)
+        for (int p = 0; p < 4; p++)
+            for (int l = 0; l < 32; l++) {
+                int low = (ql[64 * h + 32 * (p & 1) + l] >> 4 * (p / 2)) & 0x0F, high = (qh[32 * h + l] >> 2 * p) & 3;
+                g->w[128 * h + 32 * p + l] = STORE_WEIGHT((low | high << 4) - 32);
+            }
+#endif
+    lane_scales_16(g, sc);
+    g->dk = half_at(b + 208);
+}
+
+/* A 32-weight block's scale d (and m, or 0) into the lanes of its half chunk. */
+static void block_scales(weight_group *g, int block, float d, float m) {
+    float *d_lanes = g->d[block / 2] + 8 * (block % 2), *m_lanes = g->m[block / 2] + 8 * (block % 2);
+    for (int j = 0; j < 8; j++) d_lanes[j] = d, m_lanes[j] = 0.0f;
+    m_lanes[0] = m;
+}
+
+/* Weights 16 + j take bit 16 + j of qh; the low and high nibbles as Q4_0's. */
+static void nibbles_q5(const uint8_t *qs, uint32_t qh, int minus, int8_t *w) {
+    for (int j = 0; j < 16; j++) {
+        w[j] = STORE_WEIGHT(((qs[j] & 0x0F) | ((qh >> j) & 1) << 4) - minus);
+        w[16 + j] = STORE_WEIGHT(((qs[j] >> 4) | ((qh >> (16 + j)) & 1) << 4) - minus);
+    }
+}
+
+static void block_int(int type, const uint8_t *b, int block, weight_group *g) {
+    int8_t *w = g->w + 32 * block;
+    uint32_t qh;
+    switch (type) {
+        case Q4_0:
+        case Q4_1: {
+            int minus = type == Q4_0 ? 8 : 0;
+            const uint8_t *qs = b + (type == Q4_0 ? 2 : 4);
+            for (int j = 0; j < 16; j++) {
+                w[j] = STORE_WEIGHT((qs[j] & 0x0F) - minus);
+                w[16 + j] = STORE_WEIGHT((qs[j] >> 4) - minus);
+            }
+            block_scales(g, block, half_at(b), type == Q4_1 ? half_at(b + 2) : 0.0f);
+            return;
+        }
+        case Q5_0:
+            memcpy(&qh, b + 2, sizeof qh);
+            nibbles_q5(b + 6, qh, 16, w);
+            block_scales(g, block, half_at(b), 0.0f);
+            return;
+        case Q5_1:
+            memcpy(&qh, b + 4, sizeof qh);
+            nibbles_q5(b + 8, qh, 0, w);
+            block_scales(g, block, half_at(b), half_at(b + 2));
+            return;
+        default: /* Q8_0 */
+            for (int j = 0; j < 32; j++) w[j] = STORE_WEIGHT((int8_t)b[2 + j]);
+            block_scales(g, block, half_at(b), 0.0f);
+    }
+}
+
+/* Group `index` of one column's row of blocks (`row`, k inputs) into g. */
+static void weight_group_at(int type, const uint8_t *row, int64_t bytes, int64_t k, int64_t index, weight_group *g) {
+    switch (type) {
+        case Q4_K: group_q4_k(row + index * bytes, g); return;
+        case Q5_K: group_q5_k(row + index * bytes, g); return;
+        case Q6_K: group_q6_k(row + index * bytes, g); return;
+        default: break;
+    }
+    int64_t first = index * (GROUP / 32), blocks = (k - index * GROUP) / 32;
+    if (blocks > GROUP / 32) blocks = GROUP / 32;
+    for (int b = 0; b < blocks; b++) block_int(type, row + (first + b) * bytes, b, g);
+    if (blocks % 2) { /* the last chunk's second half: no weights */
+        memset(g->w + 32 * blocks, STORE_WEIGHT(0), 32);
+        block_scales(g, (int)blocks, 0.0f, 0.0f);
+    }
+}
+
+/* ---- the integer lanes ---- */
+
+#if defined(V16_AVX512)
+typedef __m512i lanes32;
+static inline lanes32 lanes_zero(void) { return _mm512_setzero_si512(); }
+/* Lane j: sum of w x q over bytes 4j..4j+3 of the chunk. */
+static inline lanes32 chunk_dot(const int8_t *w, const act_group *a, int c) {
+    return _mm512_dpbusd_epi32(_mm512_load_si512(a->offset[c]), _mm512_load_si512(w), _mm512_load_si512(a->q + CHUNK * c));
+}
+static inline lanes32 lanes_add_scaled(lanes32 sum, lanes32 v, const int32_t *scale) {
+    return _mm512_add_epi32(sum, _mm512_mullo_epi32(v, _mm512_load_si512(scale)));
+}
+static inline v16f lanes_float(lanes32 v) { return _mm512_cvtepi32_ps(v); }
+#elif defined(V16_AVX2)
+typedef struct {
+    __m256i lo, hi;
+} lanes32;
+static inline lanes32 lanes_zero(void) { return (lanes32){_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+/* |w| x (q with w's sign): pairs of products fit int16 (at most 2 x 128 x 127). */
+static inline __m256i half_dot(const int8_t *w, const int8_t *q) {
+    __m256i wv = _mm256_load_si256((const __m256i *)w), qv = _mm256_load_si256((const __m256i *)q);
+    __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(wv), _mm256_sign_epi8(qv, wv));
+    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+}
+static inline lanes32 chunk_dot(const int8_t *w, const act_group *a, int c) {
+    const int8_t *q = a->q + CHUNK * c;
+    return (lanes32){half_dot(w, q), half_dot(w + 32, q + 32)};
+}
+static inline lanes32 lanes_add_scaled(lanes32 sum, lanes32 v, const int32_t *scale) {
+    __m256i lo = _mm256_mullo_epi32(v.lo, _mm256_load_si256((const __m256i *)scale));
+    __m256i hi = _mm256_mullo_epi32(v.hi, _mm256_load_si256((const __m256i *)(scale + 8)));
+    return (lanes32){_mm256_add_epi32(sum.lo, lo), _mm256_add_epi32(sum.hi, hi)};
+}
+static inline v16f lanes_float(lanes32 v) { return (v16f){_mm256_cvtepi32_ps(v.lo), _mm256_cvtepi32_ps(v.hi)}; }
+#else
+typedef struct {
+    int32_t i[LANES];
+} lanes32;
+static inline lanes32 lanes_zero(void) { return (lanes32){{0}}; }
+static inline lanes32 chunk_dot(const int8_t *w, const act_group *a, int c) {
+    const int8_t *q = a->q + CHUNK * c;
+    lanes32 r;
+    for (int j = 0; j < LANES; j++) {
+        int32_t sum = 0;
+        for (int t = 0; t < 4; t++) sum += w[4 * j + t] * q[4 * j + t];
+        r.i[j] = sum;
+    }
+    return r;
+}
+static inline lanes32 lanes_add_scaled(lanes32 sum, lanes32 v, const int32_t *scale) {
+    for (int j = 0; j < LANES; j++) sum.i[j] += v.i[j] * scale[j];
+    return sum;
+}
+static inline v16f lanes_float(lanes32 v) {
+    v16f r;
+    for (int j = 0; j < LANES; j++) r.f[j] = (float)v.i[j];
+    return r;
+}
+#endif
+
+/* acc plus one column's group times one row's: the float steps in the header's order. */
+static inline v16f group_dot(int type, const weight_group *w, const act_group *a, int chunks, v16f acc) {
+    if (activation_kind(type) == 'K') {
+        lanes32 sum = lanes_zero();
+        for (int c = 0; c < CHUNKS; c++) sum = lanes_add_scaled(sum, chunk_dot(w->w + CHUNK * c, a, c), w->scale[c]);
+        acc = v16_fmadd_ps(v16_set1_ps(w->dk * a->dk), lanes_float(sum), acc);
+        if (type != Q6_K)
+            acc = v16_fnmadd_ps(v16_set1_ps(w->dmin * a->dk), v16_mul_ps(v16_loadu_ps(w->mins), v16_loadu_ps(a->bsums)), acc);
+        return acc;
+    }
+    for (int c = 0; c < chunks; c++) {
+        v16f d = v16_mul_ps(v16_loadu_ps(w->d[c]), v16_loadu_ps(a->d[c]));
+        acc = v16_fmadd_ps(d, lanes_float(chunk_dot(w->w + CHUNK * c, a, c)), acc);
+        if (type == Q4_1 || type == Q5_1) acc = v16_fmadd_ps(v16_loadu_ps(w->m[c]), v16_loadu_ps(a->s[c]), acc);
+    }
+    return acc;
+}
+
+/* Columns [col, col + COLS) of y (those below n_out) for every row. */
+static void int_column_tile(int type, const uint8_t *w, int64_t block, int64_t bytes, int64_t n_out, int64_t k,
+                            const act_group *acts, int64_t rows, const float *bias, float *y, int64_t col) {
+    int cols = n_out - col < COLS ? (int)(n_out - col) : COLS;
+    int64_t groups = (k + GROUP - 1) / GROUP, per_row = k / block * bytes;
+    weight_group decoded[COLS];
+    float acc[ROW_BLOCK][COLS][LANES] __attribute__((aligned(64)));
+    for (int64_t r0 = 0; r0 < rows; r0 += ROW_BLOCK) {
+        int64_t block_rows = rows - r0 < ROW_BLOCK ? rows - r0 : ROW_BLOCK;
+        memset(acc, 0, sizeof acc[0] * (size_t)block_rows);
+        for (int64_t g = 0; g < groups; g++) {
+            int chunks = (int)((k - g * GROUP + CHUNK - 1) / CHUNK);
+            if (chunks > CHUNKS) chunks = CHUNKS;
+            for (int c = 0; c < cols; c++) weight_group_at(type, w + (col + c) * per_row, bytes, k, g, &decoded[c]);
+            for (int64_t r = 0; r < block_rows; r++) {
+                const act_group *a = acts + (r0 + r) * groups + g;
+                for (int c = 0; c < cols; c++)
+                    v16_storeu_ps(acc[r][c], group_dot(type, &decoded[c], a, chunks, v16_loadu_ps(acc[r][c])));
+            }
+        }
+        for (int64_t r = 0; r < block_rows; r++)
+            for (int c = 0; c < cols; c++) {
+                float sum = v16_reduce_add_ps(v16_loadu_ps(acc[r][c]));
+                y[(r0 + r) * n_out + col + c] = bias ? sum + bias[col + c] : sum;
+            }
+    }
+}
+
+/* y [rows, n_out] = x [rows, k] times W [n_out, k] as llama.cpp computes it: x quantized to
+ * the Q8 blocks W's type meets, integer block products (see above). 0; -1 for a type with no
+ * integer path here (the float types); -2 when k is not a whole number of blocks; -3 when
+ * memory for the quantized rows cannot be had. */
+int gguf_linear_q8(int type, const uint8_t *w, int64_t n_out, int64_t k, const float *x, int64_t rows,
+                   const float *bias, float *y, int threads) {
+    int64_t block, bytes;
+    int kind = activation_kind(type);
+    if (!kind || !block_format(type, &block, &bytes)) return -1;
+    if (k % block) return -2;
+    int64_t groups = (k + GROUP - 1) / GROUP;
+    act_group *acts = aligned_alloc(64, sizeof(act_group) * (size_t)(rows * groups > 0 ? rows * groups : 1));
+    if (!acts) return -3;
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) quantize_row(kind, x + r * k, k, acts + r * groups);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < (n_out + COLS - 1) / COLS; t++)
+            int_column_tile(type, w, block, bytes, n_out, k, acts, rows, bias, y, t * COLS);
+    }
+    free(acts);
+    return 0;
+}
