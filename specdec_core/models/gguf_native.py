@@ -4,8 +4,8 @@ The model is built from its config with empty weights; each linear then becomes 
 `GGUFLinear` over the file's mapped blocks (kernels/gguf_blocks.py), the embedding reads
 rows from the same blocks, and only the small F32 tensors (norms, biases) are copied.
 Nothing is de-quantized ahead of time and nothing is re-quantized, so the forward is
-the function llama.cpp computes on the same file, up to summation order and to how the
-activations are rounded (`GGUFLinear.activations`).
+the function of the file's weights de-quantized, up to summation order: activations stay
+fp32 (llama.cpp rounds them to 8 bits first; `GGUFLinear(activations="q8")` does the same).
 
 Families whose GGUF tensors map onto transformers' modules name by name are listed in
 `ARCHITECTURES`; llama.cpp stores a Llama's q/k rows in its own rotary order, which
@@ -135,7 +135,8 @@ def _linear(file: GGUFFile, name: str, order: np.ndarray | None) -> GGUFLinear:
     if order is not None:  # a copy of these rows only, each row's blocks unchanged
         blocks = np.ascontiguousarray(blocks[order])
         bias = bias[torch.from_numpy(order)] if bias is not None else None
-    return GGUFLinear(info.qtype, blocks, info.dims[0], int(np.prod(info.dims[1:])), bias)
+    # fp32 activations: the answer carries the file's rounding and no other
+    return GGUFLinear(info.qtype, blocks, info.dims[0], int(np.prod(info.dims[1:])), bias, activations="f32")
 
 
 def _set_weight(module: nn.Module, values: np.ndarray) -> None:
