@@ -28,8 +28,8 @@ from specdec_core import disk_cache as cache
 from specdec_core.errors import Cancelled, FetchError, SpecdecError
 from specdec_core.models import conversion_process, gguf_convert, gguf_to_hf
 from specdec_core.models import fetch as fetch_module
-from specdec_core.models.cache_admin import verify_cache
 from specdec_core.models.gguf_convert import SourceMismatch, convert_gguf, converted_dir
+from specdec_core.tools.cache_admin import verify_cache
 from specdec_core.tools.cli import main
 
 PART_SIZES = [3000, 3000, 1234]

@@ -16,7 +16,6 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from specdec_core.disk_cache import kernels_dir
 from specdec_core.errors import Cancelled, ModelLoadError
 from specdec_core.models import conversion_process, gguf_convert
-from specdec_core.models.cache_admin import clear_cache, list_cache
 from specdec_core.models.gguf_convert import (
     cache_dir,
     convert_gguf,
@@ -25,6 +24,7 @@ from specdec_core.models.gguf_convert import (
     remembered_sha256,
 )
 from specdec_core.models.refs import resolve_model_ref
+from specdec_core.tools.cache_admin import clear_cache, list_cache
 
 
 @pytest.fixture(autouse=True)

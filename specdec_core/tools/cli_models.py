@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 
 from ..engine.drafters import NGRAM
 from ..errors import SpecdecError
-from ..models import cache_admin, gguf_convert, hub
+from ..models import gguf_convert, hub
 from ..models.catalog import (
     DEFAULT_DRAFT,
     DEFAULT_TARGET,
@@ -32,6 +32,7 @@ from ..models.compat import rate_draft
 from ..models.gguf_convert import sweep_stale_temporaries
 from ..models.refs import entry_state, fetch_catalog_gguf, local_folder, resolve_model_ref
 from ..progress import TerminalProgress, human_bytes
+from . import cache_admin
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

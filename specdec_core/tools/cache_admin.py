@@ -11,10 +11,10 @@ from pathlib import Path
 
 from ..disk_cache import cache_dir, converted_dir, downloads_dir, fetched_gguf_dir, kernels_dir, verify_file
 from ..kernels import kernel_files
+from ..models import hub
+from ..models.catalog import HubSource, PackageIndexSource, load_catalog
+from ..models.gguf_convert import is_converted, read_marker, usable_conversion
 from ..progress import ProgressCallback
-from . import hub
-from .catalog import HubSource, PackageIndexSource, load_catalog
-from .gguf_convert import is_converted, read_marker, usable_conversion
 
 # --- listing and clearing -----------------------------------------------------------
 
