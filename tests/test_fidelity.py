@@ -84,8 +84,9 @@ def test_eval_reports_each_precision_against_the_fp32_weights(capsys, tmp_path, 
         assert cli.main([*argv, "--ctx", str(CTX), "--chunks", "4", "--json"]) == 0
         docs[precision] = json.loads(capsys.readouterr().out)
     exact, int8 = docs["fp32"]["fidelity"], docs["int8"]["fidelity"]
-    assert exact["chunks"] == 4 and exact["kl_mean"] == 0.0 and exact["perplexity_change"] == 0.0
-    assert docs["int8"]["precision"] == "int8" and int8["kl_mean"] > 0.0
+    # fp32 against fp32: the same weights, the reference's matmuls whole (summation order only)
+    assert exact["chunks"] == 4 and abs(exact["kl_mean"]) < 1e-6 and abs(exact["perplexity_change"]) < 1e-5
+    assert docs["int8"]["precision"] == "int8" and int8["kl_mean"] > 1e-4
     assert int8["reference_perplexity"] == exact["reference_perplexity"]
 
 
