@@ -72,11 +72,23 @@ def test_as_stored_answers_exactly_as_the_target_alone_with_every_drafter(tiny_g
     assert answers[True] == answers[False]
 
 
-def test_the_file_is_read_without_a_converted_copy(tiny_gguf):
-    load_model(str(tiny_gguf), device="cpu", precision="gguf")
+@pytest.mark.parametrize("precision", ["gguf", "int8", "fp32"])
+def test_the_file_is_read_without_a_converted_copy(tiny_gguf, precision):
+    load_model(str(tiny_gguf), device="cpu", precision=precision)
     folders = list(gguf_convert.converted_dir().iterdir())
     assert [f.name.endswith("-meta") for f in folders] == [True]
     assert not list(folders[0].glob("*.safetensors"))
+
+
+@pytest.mark.parametrize("precision", ["int8", "fp32"])
+def test_de_quantizing_in_memory_gives_the_conversions_numbers_bitwise(tiny_gguf, precision, monkeypatch):
+    in_memory = load_model(str(tiny_gguf), device="cpu", precision=precision)
+    monkeypatch.setattr(gguf_native, "ARCHITECTURES", ())  # every family refused: the converted folder
+    converted = load_model(str(tiny_gguf), device="cpu", precision=precision)
+    assert not in_memory.path.samefile(converted.path)
+    ids = in_memory.tokenizer("def is_prime(n): return n > 1 and hello world")["input_ids"]
+    assert torch.equal(logits(in_memory.model, ids), logits(converted.model, ids))
+    assert in_memory.fidelity == converted.fidelity
 
 
 def test_gguf_precision_on_a_folder_is_one_line(tiny_folder):

@@ -54,6 +54,10 @@ class GGUFEmbedding(nn.Module):
         self.qtype, self.rows, self.embedding_dim = qtype, rows, dim
         self.num_embeddings = rows.shape[0]
 
+    def dense_weight(self) -> torch.Tensor:
+        """All rows de-quantized [num_embeddings, dim], exactly as `forward` reads them."""
+        return GGUFLinear(self.qtype, self.rows, self.embedding_dim, self.num_embeddings).dense_weight()
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
@@ -93,8 +97,10 @@ def type_counts(file: GGUFFile) -> dict[str, int]:
     return dict(Counter(GGMLQuantizationType(info.qtype).name for info in file.tensors.values()))
 
 
-def build_model(file: GGUFFile, config: Any) -> nn.Module:
-    """The model of `config` computing with `file`'s tensors as stored."""
+def build_model(file: GGUFFile, config: Any, *, as_stored: bool = True) -> nn.Module:
+    """The model of `config` computing with `file`'s tensors as stored, or (`as_stored=False`)
+    with plain fp32 modules holding them de-quantized: the values a conversion would write,
+    made in memory, for the CPU's own precisions to quantize from."""
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
@@ -114,7 +120,32 @@ def build_model(file: GGUFFile, config: Any) -> nn.Module:
     head = "output.weight" if "output.weight" in file.tensors else "token_embd.weight"
     model.lm_head = _linear(file, head, None)
     _check_no_empty_weights(model, file)
+    if not as_stored:
+        _dequantize(model, tied=head == "token_embd.weight")
     return model.eval()
+
+
+def _dequantize(model: Any, *, tied: bool) -> None:
+    """Each block-reading module replaced by its plain fp32 counterpart, one tensor at a time."""
+    head = model.lm_head
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, GGUFEmbedding):
+                setattr(module, name, nn.Embedding.from_pretrained(child.dense_weight(), freeze=True))
+            elif isinstance(child, GGUFLinear) and not (tied and child is head):
+                setattr(module, name, _dense_linear(child))
+    if tied:  # one tensor, as transformers ties them
+        embedding = model.model.embed_tokens
+        model.lm_head = nn.Linear(embedding.embedding_dim, embedding.num_embeddings, bias=False, device="meta")
+        model.lm_head.weight = embedding.weight
+
+
+def _dense_linear(blocks: GGUFLinear) -> nn.Linear:
+    linear = nn.Linear(blocks.in_features, blocks.out_features, bias=blocks.bias is not None, device="meta")
+    linear.weight = nn.Parameter(blocks.dense_weight(), requires_grad=False)
+    if blocks.bias is not None:
+        linear.bias = nn.Parameter(blocks.bias.detach().clone(), requires_grad=False)
+    return linear
 
 
 def _place(layer: nn.Module, path: str, file: GGUFFile, stem: str, order: np.ndarray | None) -> None:

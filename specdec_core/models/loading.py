@@ -40,7 +40,7 @@ from . import gguf_convert, gguf_native
 from .cpu_backend import prepare_for_cpu
 from .gguf_convert import metadata_folder
 from .gguf_file import GGUFFile, read_gguf
-from .refs import gguf_file_of, resolve_model_ref
+from .refs import gguf_file_of, local_folder, resolve_model_ref
 from .requirements import check_requirements
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -161,11 +161,13 @@ def load_model(
     as stored (a draft, whose numbers never reach the answer, takes the fastest path)."""
     check_requirements()  # a library user may not have called startup.prepare_process
     device = resolve_device(device)
-    gguf = as_stored_source(ref, device, precision, progress=progress, cancel=cancel) if as_stored else None
-    if gguf is not None:
-        return _load_as_stored(ref, gguf, trust_remote_code, progress=progress, cancel=cancel)
-    if precision == AS_STORED:
-        precision = "auto"  # a draft (as_stored=False): the fastest of the re-quantized paths
+    file = gguf_for_cpu(ref, device, precision, progress=progress, cancel=cancel)
+    if precision == AS_STORED and not as_stored:
+        precision = "auto"  # a draft: the fastest of the CPU's own precisions
+    if file is not None:
+        stored = precision == AS_STORED or (precision == "auto" and as_stored and gguf_native.runs_fast(file))
+        return _load_from_file(ref, file, AS_STORED if stored else precision, trust_remote_code,
+                               progress=progress, cancel=cancel)  # fmt: skip
     path = resolve_path(ref, progress=progress, cancel=cancel)
     config = load_config(path, ref, trust_remote_code)
     precision = resolve_precision(precision, device, checkpoint_parameters(path, config), offload=offload)
@@ -187,23 +189,28 @@ def load_model(
                        fidelity=fidelity_label(path, config, precision))  # fmt: skip
 
 
-def as_stored_source(
+# The CPU precisions made from a GGUF's blocks in memory (gguf_native), with no converted copy.
+FROM_BLOCKS = (AS_STORED, "auto", "fp32", "bf16", "fp16", "int8", "int4")
+
+
+def gguf_for_cpu(
     ref: str, device: str, precision: str, *,
     progress: ProgressCallback | None = None, cancel: threading.Event | None = None,
 ) -> GGUFFile | None:  # fmt: skip
-    """The GGUF to run as stored, or None for the converted path.
+    """The GGUF whose blocks a CPU load reads directly, or None for the converted folder.
 
-    Asked for (`gguf`), it is that or one line saying why not. `auto` takes it on the CPU
-    when the kernels run every block type of the file at speed (`gguf_native.runs_fast`).
+    Asked for as stored (`gguf`), it is that file or one line saying why not. Otherwise a
+    GGUF of a family `gguf_native` maps is read from its blocks too, de-quantized in
+    memory; a catalog GGUF whose file was cleared but whose conversion is kept loads
+    from the conversion rather than downloading again.
     """
-    if precision not in (AS_STORED, "auto"):
-        return None
     asked = precision == AS_STORED
-    if device != "cpu":
+    if device != "cpu" or precision not in FROM_BLOCKS:
         if asked:
             raise ModelLoadError("gguf (the file's blocks as stored) runs on the CPU; on a GPU use bf16 or nf4")
         return None
-    path = gguf_file_of(ref, fetch=asked, progress=progress, cancel=cancel)
+    fetch = asked or local_folder(ref) is None
+    path = gguf_file_of(ref, fetch=fetch, progress=progress, cancel=cancel)
     if path is None:
         if asked:
             raise ModelLoadError(f"{ref} is not a GGUF file: --precision gguf runs a GGUF's blocks as stored")
@@ -212,25 +219,37 @@ def as_stored_source(
     reason = gguf_native.refusal(file)
     if reason is not None and asked:
         raise ModelLoadError(f"{path.name}: {reason}")
-    if reason is not None or not (asked or gguf_native.runs_fast(file)):
-        return None
-    return file
+    return None if reason is not None else file
 
 
-def _load_as_stored(
-    ref: str, file: GGUFFile, trust_remote_code: bool, *,
+def _load_from_file(
+    ref: str, file: GGUFFile, precision: str, trust_remote_code: bool, *,
     progress: ProgressCallback | None, cancel: threading.Event | None,
 ) -> LoadedModel:  # fmt: skip
+    """A GGUF on the CPU from its mapped blocks: as stored, or de-quantized in memory for
+    another precision (the values a conversion to fp32 would hold, with no copy on disk)."""
     meta = metadata_folder(file.path, label=Path(ref).name or ref, progress=progress, cancel=cancel)
     config = load_config(meta, ref, trust_remote_code)
+    stored = precision == AS_STORED
+    if not stored:
+        precision = resolve_precision(precision, "cpu", 0)
     check_cancelled(cancel)
     if progress:
-        progress(Progress(f"Loading {Path(ref).name or ref} (cpu · {AS_STORED})", 0, 0))
+        progress(Progress(f"Loading {Path(ref).name or ref} (cpu · {precision})", 0, 0))
     tokenizer = load_tokenizer(meta, ref, trust_remote_code)
-    model = gguf_native.build_model(file, config)
-    make_batch_invariant(model)  # attention row-wise; the block kernels are row-wise already
+    try:
+        model = gguf_native.build_model(file, config, as_stored=stored)
+        if stored:
+            make_batch_invariant(model)  # attention row-wise; the block kernels are row-wise already
+        else:
+            model.to(_DTYPES.get(precision, torch.float32))
+            prepare_for_cpu(model, precision)
+    except (torch.OutOfMemoryError, MemoryError) as exc:
+        raise OutOfMemory(f"out of memory loading {ref} at {precision} on cpu; {_oom_hint('cpu', precision)}") from exc
+    check_cancelled(cancel)
+    fidelity = gguf_native.fidelity(file, model) if stored else fidelity_label(meta, config, precision)
     return LoadedModel(ref=ref, path=meta, model=model, tokenizer=tokenizer, device="cpu",
-                       precision=AS_STORED, fidelity=gguf_native.fidelity(file, model))  # fmt: skip
+                       precision=precision, fidelity=fidelity)  # fmt: skip
 
 
 def fidelity_label(path: Path, config: Any, precision: str) -> str:
@@ -260,6 +279,16 @@ def _gguf_source_type(folder: Path) -> str | None:
         return read_gguf(source).file_type or "GGUF" if source.is_file() else "GGUF"
     except ModelLoadError:
         return "GGUF"
+
+
+def tokenizer_folder(
+    ref: str, *, progress: ProgressCallback | None = None, cancel: threading.Event | None = None
+) -> Path:
+    """A folder with `ref`'s config and tokenizer files, without converting a GGUF's weights."""
+    path = gguf_file_of(ref, fetch=local_folder(ref) is None, progress=progress, cancel=cancel)
+    if path is not None:
+        return metadata_folder(path, label=Path(ref).name or ref, progress=progress, cancel=cancel)
+    return resolve_path(ref, progress=progress, cancel=cancel)
 
 
 def resolve_path(

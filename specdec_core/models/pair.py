@@ -27,7 +27,7 @@ from ..progress import ProgressCallback
 from .chat import stop_token_ids, template_token_ids
 from .compat import rate_draft
 from .cpu_backend import prepare_draft_for_cpu
-from .loading import LoadedModel, load_model, resolve_path
+from .loading import LoadedModel, load_model, tokenizer_folder
 
 MODEL = "model"
 
@@ -110,7 +110,7 @@ def load_draft(
     spec = DraftSpec.parse(spec)
     if not spec.is_model:
         return make_drafter(spec, target, None), None
-    path = resolve_path(spec.ref, progress=progress, cancel=cancel)
+    path = tokenizer_folder(spec.ref, progress=progress, cancel=cancel)
     verdict = rate_draft(str(target.path), str(path))
     if not verdict.compatible:
         raise IncompatibleDraftError(
