@@ -279,7 +279,7 @@ def test_disk_full_while_writing_a_conversion_is_one_line_exit_2_and_keeps_the_g
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(conversion_process, "convert_in_child", full_disk)
-    code, line = run_cli(capsys, "fetch", str(tiny_gguf))
+    code, line = run_cli(capsys, "fetch", "--convert", str(tiny_gguf))
     assert code == 2 and "no space left on the disk holding" in line and "was converted" in line
     assert tiny_gguf.is_file() and list(converted_dir().iterdir()) == []
 
@@ -299,7 +299,7 @@ def test_a_conversion_that_cannot_fit_says_so_before_converting(tmp_path, capsys
 
     monkeypatch.setattr(cache, "free_bytes", lambda path: 1000)
     monkeypatch.setattr(conversion_process, "convert_in_child", must_not_start)
-    code, line = run_cli(capsys, "fetch", str(tiny_gguf))
+    code, line = run_cli(capsys, "fetch", "--convert", str(tiny_gguf))
     assert code == 2 and re.search(r"\(1\.0 kB free, about [\d.]+ kB needed\): free some space", line), line
 
 
@@ -450,7 +450,7 @@ def test_a_conversion_child_that_crashes_is_one_line_exit_1_asking_for_a_report(
     tmp_path, capsys, tiny_gguf, fake_child
 ):
     fake_child("crash")
-    code, line = run_cli(capsys, "fetch", str(tiny_gguf))
+    code, line = run_cli(capsys, "fetch", "--convert", str(tiny_gguf))
     assert code == 1
     assert line.endswith("failed unexpectedly (exit code 1): RuntimeError: boom; please report this"), line
     assert not any(converted_dir().glob(".tmp-*"))
@@ -458,7 +458,7 @@ def test_a_conversion_child_that_crashes_is_one_line_exit_1_asking_for_a_report(
 
 def test_a_conversion_child_killed_by_the_system_says_so_exit_2(tmp_path, capsys, tiny_gguf, fake_child):
     fake_child("oom")
-    code, line = run_cli(capsys, "fetch", str(tiny_gguf))
+    code, line = run_cli(capsys, "fetch", "--convert", str(tiny_gguf))
     assert code == 2 and "was killed by SIGKILL (out of memory?)" in line, line
     assert not any(converted_dir().glob(".tmp-*"))
 

@@ -144,7 +144,7 @@ def test_fetch_prints_each_model_and_its_folder_and_draws_progress_on_stderr(cap
         progress(Progress(f"Downloading {ref} (part 2/2)", 100, 100))
         return tmp_path / ref
 
-    monkeypatch.setattr(cli_models, "resolve_model_ref", fake_resolve)
+    monkeypatch.setattr(cli_models, "tokenizer_folder", fake_resolve)
     code, out, err = run_both(capsys, "fetch", SMALL_MODEL, DEFAULT_DRAFT)
     assert code == 0
     assert out.splitlines() == [

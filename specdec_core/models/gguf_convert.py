@@ -54,6 +54,7 @@ from ..disk_cache import (  # re-exported: the cache's places are known by this 
 from ..errors import FetchError, ModelLoadError
 from ..progress import Progress, ProgressCallback, check_cancelled
 from .fetch import exclusive
+from .gguf_file import read_gguf
 from .gguf_to_hf import convert_with_transformers, write_metadata
 
 __all__ = ["CACHE_ENV", "cache_dir", "downloads_dir", "fetched_gguf_dir", "file_sha256", "remembered_sha256"]
@@ -188,6 +189,7 @@ def metadata_folder(
     weights (`gguf_to_hf.write_metadata`: a few MB), kept in the cache like a conversion.
     """
     label = label or gguf_path.name
+    read_gguf(gguf_path)  # a cut or damaged file is one line here, before anything is written
     sweep_stale_temporaries()
     sha256 = remembered_sha256(gguf_path)
     if sha256 is None:

@@ -22,6 +22,8 @@ MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
+_MIN_TENSOR_INFO = 8 + 4 + 8 + 4 + 8  # name length, dims count, one dim, type, offset
+_MIN_FIELD = 8 + 4 + 1  # key length, type, the smallest value
 
 
 @dataclass(frozen=True)
@@ -123,6 +125,8 @@ def _parse(path: Path, mapping: np.ndarray) -> GGUFFile:
     if version not in (2, 3):
         raise ModelLoadError(f"{path.name}: GGUF version {version} is not supported (2 and 3 are)")
     n_tensors, n_fields = cursor.take("<Q"), cursor.take("<Q")
+    if n_tensors * _MIN_TENSOR_INFO + n_fields * _MIN_FIELD > mapping.size:
+        raise ValueError(f"its header counts {n_tensors} tensors and {n_fields} fields")
     fields: dict[str, Any] = {}
     lengths: dict[str, int] = {}
     for _ in range(n_fields):
@@ -140,7 +144,19 @@ def _parse(path: Path, mapping: np.ndarray) -> GGUFFile:
         tensors[name] = TensorInfo(name, dims, cursor.take("<I"), cursor.take("<Q"))
     alignment = int(fields.get("general.alignment", DEFAULT_ALIGNMENT))
     data_start = -(-cursor.at // alignment) * alignment
+    end = max((data_start + t.offset + _nbytes(t) for t in tensors.values()), default=0)
+    if end > mapping.size or not tensors:
+        raise ModelLoadError(
+            f"{path.name} is a truncated GGUF file: {mapping.size} bytes, its tensors need {end}; download it again"
+        )
     return GGUFFile(path, fields, lengths, tensors, data_start, mapping)
+
+
+def _nbytes(info: TensorInfo) -> int:
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    block, type_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(info.qtype)]
+    return int(np.prod(info.dims)) // block * type_bytes
 
 
 def _value(cursor: _Cursor, kind: int) -> Any:

@@ -115,11 +115,11 @@ def fetched_gguf_path(entry: ModelEntry) -> Path:
 
 
 def entry_state(entry: ModelEntry) -> str:
-    """Where a catalog model stands locally: "ready", "downloaded" (not converted yet) or "missing"."""
+    """Where a catalog model stands locally: "ready", "downloaded" (its tokenizer not read yet) or "missing"."""
     source = entry.source
     if isinstance(source, HubSource):
         return "ready" if hub.local_snapshot(source.repo_id, source.revision) else "missing"
-    if gguf_convert.is_converted(gguf_convert.converted_path(source.sha256)):
+    if any(gguf_convert.is_converted(f(source.sha256)) for f in (gguf_convert.converted_path, gguf_convert.metadata_path)):
         return "ready"  # the marker only: its files are checked when it is used
     gguf = fetched_gguf_path(entry)
     return "downloaded" if gguf.is_file() and gguf.stat().st_size == source.size else "missing"

