@@ -142,11 +142,14 @@ CHAT_TEMPLATE = (
 
 
 def write_tiny_llama_gguf(
-    path: Path, context_length: int = 128, never_ends: bool = False, arch: str = "llama"
-) -> Path:
+    path: Path, context_length: int = 128, never_ends: bool = False, arch: str = "llama",
+    qtype: str = "Q8_0", hidden: int = HIDDEN, ffn: int = FFN,
+) -> Path:  # fmt: skip
     """A 2-layer Llama with a byte-level BPE vocabulary, weights quantized to Q8_0.
 
     `arch="qwen2"`: the same shapes as a Qwen2, whose q/k/v projections carry biases.
+    `qtype`: the block type of the projections ("Q4_K" etc. need `hidden` and `ffn` in
+    multiples of 256); types the gguf package cannot quantize get random valid blocks.
 
     `never_ends`: the special tokens' (tied) embedding rows are zero, so their logit is 0
     and a greedy answer never picks one: it runs to its token limit (the served tests)."""
@@ -167,14 +170,14 @@ def write_tiny_llama_gguf(
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(LAYERS)
     writer.add_context_length(context_length)
-    writer.add_embedding_length(HIDDEN)
-    writer.add_feed_forward_length(FFN)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(ffn)
     writer.add_head_count(HEADS)
     writer.add_head_count_kv(KV_HEADS)
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(len(tokens))
-    writer.add_rope_dimension_count(HIDDEN // HEADS)
+    writer.add_rope_dimension_count(hidden // HEADS)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
@@ -187,27 +190,31 @@ def write_tiny_llama_gguf(
 
     rng = np.random.default_rng(0)
 
-    def add_q8(name: str, shape: tuple[int, int]) -> None:
-        data = gguf.quants.quantize(
-            rng.normal(0, 0.3, shape).astype(np.float32), gguf.GGMLQuantizationType.Q8_0
-        )
-        writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    kind = gguf.GGMLQuantizationType[qtype]
 
-    kv = HIDDEN * KV_HEADS // HEADS
-    embedding = rng.normal(0, 0.3, (len(tokens), HIDDEN)).astype(np.float32)
+    def add_q8(name: str, shape: tuple[int, int]) -> None:
+        values = rng.normal(0, 0.3, shape).astype(np.float32)
+        try:
+            data = gguf.quants.quantize(values, kind)
+        except NotImplementedError:  # the K-quants: valid blocks of random bits, small fp16 scales
+            data = random_blocks(kind, shape, rng)
+        writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=kind)
+
+    kv = hidden * KV_HEADS // HEADS
+    embedding = rng.normal(0, 0.3, (len(tokens), hidden)).astype(np.float32)
     if never_ends:
         embedding[[i for i, t in enumerate(tokens) if t.startswith("<|")]] = 0.0
     embedding_q8 = gguf.quants.quantize(embedding, gguf.GGMLQuantizationType.Q8_0)
     writer.add_tensor(
         "token_embd.weight", embedding_q8, raw_shape=embedding_q8.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0
     )
-    writer.add_tensor("output_norm.weight", np.ones(HIDDEN, np.float32))
+    writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
     for block in range(LAYERS):
-        writer.add_tensor(f"blk.{block}.attn_norm.weight", rng.uniform(0.5, 1.5, HIDDEN).astype(np.float32))
-        writer.add_tensor(f"blk.{block}.ffn_norm.weight", rng.uniform(0.5, 1.5, HIDDEN).astype(np.float32))
-        for name, shape in [("attn_q", (HIDDEN, HIDDEN)), ("attn_k", (kv, HIDDEN)), ("attn_v", (kv, HIDDEN)),
-                            ("attn_output", (HIDDEN, HIDDEN)), ("ffn_gate", (FFN, HIDDEN)),
-                            ("ffn_up", (FFN, HIDDEN)), ("ffn_down", (HIDDEN, FFN))]:  # fmt: skip
+        writer.add_tensor(f"blk.{block}.attn_norm.weight", rng.uniform(0.5, 1.5, hidden).astype(np.float32))
+        writer.add_tensor(f"blk.{block}.ffn_norm.weight", rng.uniform(0.5, 1.5, hidden).astype(np.float32))
+        for name, shape in [("attn_q", (hidden, hidden)), ("attn_k", (kv, hidden)), ("attn_v", (kv, hidden)),
+                            ("attn_output", (hidden, hidden)), ("ffn_gate", (ffn, hidden)),
+                            ("ffn_up", (ffn, hidden)), ("ffn_down", (hidden, ffn))]:  # fmt: skip
             add_q8(f"blk.{block}.{name}.weight", shape)
             if arch == "qwen2" and name in ("attn_q", "attn_k", "attn_v"):
                 writer.add_tensor(f"blk.{block}.{name}.bias", rng.normal(0, 0.1, shape[0]).astype(np.float32))
@@ -216,6 +223,19 @@ def write_tiny_llama_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def random_blocks(kind: gguf.GGMLQuantizationType, shape: tuple[int, int], rng: np.random.Generator) -> np.ndarray:
+    """Random bits in `kind`'s blocks, each block's fp16 scales set small and finite."""
+    block, size = gguf.GGML_QUANT_SIZES[kind]
+    data = rng.integers(0, 256, (shape[0], shape[1] // block, size), dtype=np.uint8)
+    scale = np.frombuffer(np.float16(2e-3).tobytes(), np.uint8)
+    if kind == gguf.GGMLQuantizationType.Q6_K:
+        data[..., size - 2 :] = scale  # d comes last
+    else:  # Q4_K, Q5_K: d, then dmin
+        data[..., 0:2] = scale
+        data[..., 2:4] = scale
+    return data.reshape(shape[0], -1)
 
 
 @pytest.fixture(scope="module")

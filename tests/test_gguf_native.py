@@ -135,3 +135,48 @@ def test_generate_json_reports_the_fidelity(capsys, tiny_gguf):
     assert cli.main([*argv, "--prompt", "hello", "--max-new-tokens", "4", "--json", "--no-calibrate"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["target"]["precision"] == "gguf" and doc["target"]["fidelity"].startswith("as stored")
+
+
+BLOCK_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16"]
+PAST_THE_WINDOW = 300  # prompt tokens: more than a model draft's window (drafters.WINDOW)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("qtype", BLOCK_TYPES)
+def test_every_block_type_as_stored_answers_as_the_target_alone_with_every_drafter(tmp_path, qtype):
+    from specdec_core.engine.drafters import (
+        WINDOW,
+        LookupThenModelDrafter,
+        ModelDrafter,
+        NgramDrafter,
+        NoDrafter,
+    )
+    from specdec_core.engine.speculative import GenerationParams as Params
+    from specdec_core.engine.speculative import SpeculativeEngine
+
+    wide = qtype.endswith("_K")
+    path = write_tiny_llama_gguf(
+        tmp_path / f"tiny-{qtype}.gguf", arch="qwen2", qtype=qtype, context_length=512,
+        hidden=256 if wide else 32, ffn=512 if wide else 64,
+    )  # fmt: skip
+    target = load_model(str(path), device="cpu", precision="gguf")
+    assert {m.qtype.name for m in target.model.modules() if isinstance(m, GGUFLinear)} >= {qtype}
+    draft = load_model(str(path), device="cpu", precision="fp32", as_stored=False).model  # near, not equal
+    text = "def is_prime(n): return n > 1 and hello world, speculative decoding. "
+    prompt = target.tokenizer(text * 20)["input_ids"][:PAST_THE_WINDOW]
+    assert len(prompt) > WINDOW
+    engine = SpeculativeEngine(target.model, target.tokenizer, NoDrafter())
+    params = Params(max_new_tokens=24, draft_length=3)
+    alone = list(list(engine.generate(prompt, params))[-1].token_ids)
+    drafters = {
+        "ngram": NgramDrafter(),
+        "model": ModelDrafter(draft, "draft"),
+        "lookup+model": LookupThenModelDrafter(ModelDrafter(draft, "draft")),
+    }
+    accepted = 0
+    for name, drafter in drafters.items():
+        engine.set_drafter(drafter)
+        done = list(engine.generate(prompt, params))[-1]
+        assert list(done.token_ids) == alone, f"{qtype}: {name} departs from the target alone"
+        accepted += done.stats.accepted
+    assert accepted > 0  # speculation really ran
