@@ -322,3 +322,22 @@ def test_a_missing_server_binary_is_one_line(models, monkeypatch):
     monkeypatch.delenv("SPECDEC_LLAMA_SERVER", raising=False)
     with pytest.raises(ServerError, match="cannot start /nonexistent/llama-server"):
         ChatSession().load(LoadSpec(target=str(models[0]), local_server="/nonexistent/llama-server"))
+
+
+def test_every_id_llama_cpp_streams_lands_on_its_token_and_only_held_back_tokens_lack_one(endless):
+    # The same greedy answer, streamed and in one piece (whose reply lists every id): the
+    # stream's ids sit at the same places; the only gaps are tokens the server held back
+    # because their text ended inside a UTF-8 character (it streams no id for those).
+    backend = ServedBackend.connect(endless.url)
+    params = GenerationParams(max_new_tokens=64)
+    tokens = [e for e in backend.complete("hello", params, None, speculation=True) if isinstance(e, TokenEvent)]
+    whole = backend.client.post_json(
+        "/completion",
+        {"prompt": "hello", "n_predict": 64, "temperature": 0.0, "return_tokens": True, "stream": False},
+    )
+    assert len(tokens) == len(whole["tokens"]) == 64
+    assert all(t.token_id in (-1, w) for t, w in zip(tokens, whole["tokens"], strict=True))
+    held_back = [t for t in tokens if t.token_id == -1]
+    assert 0 < len(held_back) < len(tokens) // 2  # the tiny byte-level vocabulary splits characters
+    assert all(t.text == "" for t in held_back)  # its text comes with the next listed token
+    assert all(t.token_id >= 0 for t in tokens if t.text)
