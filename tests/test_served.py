@@ -317,6 +317,15 @@ def test_a_local_server_serves_a_gguf_with_its_draft_and_stops_on_release(models
     assert process is not None and process.poll() is not None
 
 
+def test_a_local_server_stops_when_another_model_loads(models, plain, tmp_path):
+    pytest.importorskip("xllamacpp", reason="llama.cpp's server comes from the xllamacpp package")
+    session = ChatSession()
+    session.load(LoadSpec(target=str(models[0]), local_server=str(_server_binary(tmp_path))))
+    process = session._local_server.process
+    session.load(LoadSpec(target=plain.url))
+    assert process is not None and process.poll() is not None
+
+
 def test_a_missing_server_binary_is_one_line(models, monkeypatch):
     monkeypatch.delenv("SPECDEC_LLAMA_SERVER", raising=False)
     with pytest.raises(ServerError, match="cannot start /nonexistent/llama-server"):
