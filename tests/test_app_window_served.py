@@ -196,6 +196,13 @@ def test_the_window_serves_its_gguf_with_llama_cpp_and_stops_the_server_when_it_
     message = _send(qtbot, window, "hello")
     assert len(message.tokens) == 8 and "accepted " in message.footer  # served with its -md draft
 
+    with qtbot.waitSignal(window.modelReady, timeout=TIMEOUT_MS):  # another draft: a restart
+        window.toolbar.draftChosen.emit("none", False)
+    assert process.wait(10) is not None
+    process = window.worker.session._local_server.process
+    assert process is not None and process.poll() is None
+    assert "target alone" in _send(qtbot, window, "hello").footer  # served without a draft now
+
     with qtbot.waitSignal(window.engine_thread.finished, timeout=TIMEOUT_MS):
         window.close()
     assert process.wait(10) is not None  # no server left behind the closed window
