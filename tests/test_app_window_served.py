@@ -10,6 +10,7 @@ The tests skip, with the reason, where xllamacpp cannot be imported.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -78,8 +79,9 @@ def open_window(qtbot, tmp_path, monkeypatch):
         release.set()
 
 
-def _hold_first_batch(window) -> threading.Event:
-    """Park the worker thread inside the answer's first batch until the returned event is set."""
+def _hold_first_batch(window, server: Server) -> threading.Event:
+    """Park the worker thread inside the answer's first batch until the returned event is set,
+    with the server frozen (SIGSTOP) there: the answer is mid-stream, however fast the server."""
     release = threading.Event()
     window.releases.append(release)
     held: list[bool] = []
@@ -87,6 +89,7 @@ def _hold_first_batch(window) -> threading.Event:
     def hold(batch) -> None:  # Direct: runs in the worker thread, the UI's delivery already posted
         if not held and batch:
             held.append(True)
+            os.kill(server.process.pid, signal.SIGSTOP)
             release.wait(60)
 
     window.worker.streamed.connect(hold, Qt.ConnectionType.DirectConnection)
@@ -127,15 +130,18 @@ def test_an_answer_streams_into_the_window_with_what_the_server_can_tell(qtbot, 
 def test_stop_ends_a_served_answer_and_keeps_its_text(qtbot, open_window, speculating):
     window = open_window("--server", speculating.url)
     window.side.generation.max_new_tokens.setValue(4000)
-    release = _hold_first_batch(window)
+    release = _hold_first_batch(window, speculating)
     window.prompt.setPlainText("hello")
-    with qtbot.waitSignal(window.answerProgressed, timeout=TIMEOUT_MS):
-        window.send_button.click()
-    clock = QElapsedTimer()
-    with qtbot.waitSignal(window.answerFinished, timeout=TIMEOUT_MS) as blocker:
-        qtbot.mouseClick(window.stop_button, Qt.MouseButton.LeftButton)
-        clock.start()
-        release.set()
+    try:
+        with qtbot.waitSignal(window.answerProgressed, timeout=TIMEOUT_MS):
+            window.send_button.click()
+        clock = QElapsedTimer()
+        with qtbot.waitSignal(window.answerFinished, timeout=TIMEOUT_MS) as blocker:
+            qtbot.mouseClick(window.stop_button, Qt.MouseButton.LeftButton)
+            clock.start()
+            release.set()  # the server stays frozen: Stop must not wait for it
+    finally:
+        os.kill(speculating.process.pid, signal.SIGCONT)
     assert clock.elapsed() < 1000, f"Stop took {clock.elapsed()} ms over a served engine"
     stopped = blocker.args[0]
     assert stopped.stopped and stopped.footer.endswith(" · stopped")
@@ -148,7 +154,7 @@ def test_a_server_killed_mid_answer_is_one_line_and_the_text_stays(qtbot, open_w
     try:
         window = open_window("--server", server.url)
         window.side.generation.max_new_tokens.setValue(4000)
-        release = _hold_first_batch(window)
+        release = _hold_first_batch(window, server)
         window.prompt.setPlainText("hello")
         with qtbot.waitSignal(window.answerProgressed, timeout=TIMEOUT_MS):
             window.send_button.click()
