@@ -16,7 +16,7 @@ from PySide6.QtCore import QObject, Signal
 from specdec_core import Compatibility, SessionInfo
 
 from . import catalog_info
-from .model_toolbar import DRAFT_LABELS, ModelToolbar, short_ref
+from .model_toolbar import DRAFT_LABELS, ModelToolbar, ask_llama_server, short_ref
 from .settings import AppSettings
 from .widgets import LoadPanel
 from .worker import EngineWorker, LoadRequest
@@ -50,11 +50,15 @@ class ModelController(QObject):
         # Asked for on the command line for this run only: never saved in the settings.
         self.offload = False
         self.trust_remote_code = False
+        # The target served by llama.cpp's server started here: its binary ("auto": the
+        # default one); "" = answered in-process or by the server the target names.
+        self.local_server = ""
         self.pair: SessionInfo | None = None
         self._loading: LoadRequest | None = None
         self._verdicts: dict[str, Compatibility] = {}
         self._worker: EngineWorker | None = None
         toolbar.targetChosen.connect(self._on_target_chosen)
+        toolbar.localServerRequested.connect(self._on_local_server_requested)
         toolbar.draftChosen.connect(self._on_draft_chosen)
         toolbar.placementChosen.connect(self._on_placement_chosen)
         load_panel.cancelRequested.connect(self.cancel_load)
@@ -107,7 +111,9 @@ class ModelController(QObject):
             self.precision,
             self.offload,
             self.trust_remote_code,
-            tuple(self.draft_candidates()),
+            # A server runs whichever .gguf draft it is started with: nothing to rate.
+            () if self.local_server else tuple(self.draft_candidates()),
+            self.local_server,
         )
 
     def _begin_loading(self, request: LoadRequest) -> None:
@@ -121,7 +127,17 @@ class ModelController(QObject):
             return
         self.settings.remember_model(ref)
         self._verdicts = {}
+        self.local_server = ""  # another target: in-process (or the server it names)
         self.request_load(ref, self.draft)
+
+    def _on_local_server_requested(self) -> None:
+        binary = ask_llama_server(self.toolbar, self.target, self.draft, self.settings.llama_server)
+        if binary is None:
+            return
+        self.settings.llama_server = binary
+        self.local_server = binary or "auto"
+        self._verdicts = {}
+        self.request_load()
 
     def _on_draft_chosen(self, spec: str, from_dialog: bool) -> None:
         if from_dialog:
@@ -129,7 +145,7 @@ class ModelController(QObject):
         if spec == self.draft and self.pair is not None:
             return
         self.draft = spec
-        if self.pair is None:
+        if self.pair is None or self.local_server:  # a local server restarts with the new draft
             self.request_load(self.target, spec)
             return
         request = self._request(spec)

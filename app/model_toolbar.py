@@ -37,6 +37,7 @@ OPEN_FOLDER = "::open-folder"
 OPEN_GGUF = "::open-gguf"
 HUB_ID = "::hub-id"
 SERVER = "::server"  # the target menu only: a served engine's address
+LOCAL_SERVER = "::local-server"  # the target menu only: serve the target with llama.cpp's server here
 OPEN_ITEMS = (
     ("mdi6.folder-open-outline", "Open model folder…", OPEN_FOLDER),
     ("mdi6.file-outline", "Open GGUF file…", OPEN_GGUF),
@@ -73,8 +74,22 @@ def choose_model_ref(parent: QWidget, kind: str) -> str:
     return text.strip() if ok else ""
 
 
+def ask_llama_server(parent: QWidget, target: str, draft: str, remembered: str) -> str | None:
+    """The llama-server binary to serve `target` (and `draft`) with: "" for the default; None: cancelled."""
+    text, ok = QInputDialog.getText(
+        parent,
+        "Start llama.cpp's server",
+        f"Serve {short_ref(target)} (a .gguf) with the draft {short_ref(draft)} (when a .gguf) by\n"
+        "llama.cpp's server on 127.0.0.1; it stops when the window closes or another model loads.\n"
+        "llama-server binary (empty: $SPECDEC_LLAMA_SERVER, else llama-server on PATH):",
+        text=remembered,
+    )
+    return text.strip() if ok else None
+
+
 class ModelToolbar(QToolBar):
     targetChosen = Signal(str)  # a model ref
+    localServerRequested = Signal()  # "Start llama.cpp's server…": serve the current target here
     draftChosen = Signal(str, bool)  # a draft spec, and whether it came from a dialog
     placementChosen = Signal(str, str)  # device, precision
 
@@ -155,6 +170,12 @@ class ModelToolbar(QToolBar):
                 seen.add(ref)
         self._add_open_items(menu)
         menu.addItem(qta.icon("mdi6.server-network"), "Server…", SERVER)
+        menu.addItem(qta.icon("mdi6.server-plus"), "Start llama.cpp's server…", LOCAL_SERVER)
+        menu.setItemData(
+            menu.count() - 1,
+            "Serve this .gguf target and its .gguf draft with llama.cpp's server on 127.0.0.1",
+            TOOLTIP,
+        )
         menu.setCurrentIndex(max(0, menu.findData(current)))
         menu.blockSignals(False)
 
@@ -213,6 +234,10 @@ class ModelToolbar(QToolBar):
     # -- what the user chose ------------------------------------------------------------------
     def _on_target_activated(self, index: int) -> None:
         ref = str(self.target_menu.itemData(index))
+        if ref == LOCAL_SERVER:
+            self.target_menu.setCurrentIndex(max(0, self.target_menu.findData(self._target)))
+            self.localServerRequested.emit()
+            return
         if ref in (OPEN_FOLDER, OPEN_GGUF, HUB_ID, SERVER):
             ref = choose_model_ref(self, ref)
             if not ref:

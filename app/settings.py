@@ -24,6 +24,7 @@ KEY_DRAFT = "models/draft"
 KEY_RECENT_MODELS = "models/recent"
 KEY_PRECISION = "models/precision"
 KEY_DEVICE = "models/device"
+KEY_LLAMA_SERVER = "models/llamaServer"  # llama.cpp's server binary ("" = $SPECDEC_LLAMA_SERVER, PATH)
 KEY_THEME = "ui/theme"
 KEY_GEOMETRY = "ui/geometry"
 KEY_WINDOW_STATE = "ui/windowState"
@@ -121,6 +122,7 @@ class AppSettings:
     recent_models = Setting(KEY_RECENT_MODELS, [], _as_list)  # newest first; see remember_model
     precision = Setting(KEY_PRECISION, "auto", _as_str)
     device = Setting(KEY_DEVICE, "auto", _as_str)
+    llama_server = Setting(KEY_LLAMA_SERVER, "", _as_str)
     # ui
     theme = Setting(KEY_THEME, "system", _as_str, allowed=tuple(THEMES))
     geometry = Setting(KEY_GEOMETRY, QByteArray(), _as_bytes)

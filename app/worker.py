@@ -70,6 +70,9 @@ class LoadRequest:
     trust_remote_code: bool = False
     # Drafts to rate against the new target (the draft menu), as part of the load.
     candidates: tuple[str, ...] = ()
+    # Serve the .gguf target with llama.cpp's server started on 127.0.0.1: its binary, or
+    # "auto" ($SPECDEC_LLAMA_SERVER, else llama-server on PATH); "" = no local server.
+    local_server: str = ""
     cancel: threading.Event = field(default_factory=threading.Event, compare=False)
 
     @property
@@ -81,6 +84,7 @@ class LoadRequest:
             precision=self.precision,
             offload=self.offload,
             trust_remote_code=self.trust_remote_code,
+            local_server=self.local_server,
         )
 
 
@@ -257,6 +261,12 @@ class EngineThread(QThread):
         self.worker = worker
         worker.moveToThread(self)
         self.finished.connect(worker.deleteLater)
+
+    def run(self) -> None:
+        self.exec()
+        # The thread's last act, after the window has gone: a llama.cpp server the session
+        # started for it must not outlive it.
+        self.worker.release()
 
     def wind_down(self, wait_ms: int = 100) -> bool:
         """Cancel, quit and wait at most `wait_ms`; True when the thread has finished."""

@@ -58,7 +58,7 @@ from .models.pair import DraftSpec, LoadedPair, load_draft, make_engine
 from .progress import Progress, ProgressCallback, check_cancelled
 from .served.backend import ServedBackend, ServedExactness, ServerInfo
 from .served.client import is_server_url
-from .served.local_server import LocalLlamaServer, server_binary
+from .served.local_server import LocalLlamaServer, llama_server_binary
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +136,7 @@ class ChatSession:
     ) -> SessionInfo:
         """Load the target (once) and its drafter, check exactness; replaces what was loaded."""
         if spec.local_server:
-            return self._serve_locally(spec)
+            return self._serve_locally(spec, progress, cancel)
         if is_server_url(spec.target):
             return self._connect(spec)
         draft = DraftSpec.parse(spec.draft)  # a bad spec fails before anything is loaded
@@ -173,21 +173,29 @@ class ChatSession:
         self.info = self._describe(draft, warning, exactness)
         return self.info
 
-    def _serve_locally(self, spec: LoadSpec) -> SessionInfo:
+    def _serve_locally(
+        self, spec: LoadSpec, progress: ProgressCallback | None, cancel: threading.Event | None
+    ) -> SessionInfo:
         """Start llama.cpp's server on 127.0.0.1 for spec.target (with spec.draft when a .gguf)."""
         self.release()
-        binary = server_binary("" if spec.local_server == "auto" else spec.local_server)
+        binary = llama_server_binary("" if spec.local_server == "auto" else spec.local_server)
         draft = spec.draft if spec.draft.endswith(".gguf") else ""
         server = LocalLlamaServer(binary, spec.target, draft)
+        if progress is not None:
+            progress(Progress("Starting llama.cpp's server on 127.0.0.1", 0, 0, unit="steps"))
         with _one_line_errors("starting llama.cpp's server"):
-            url = server.start()
+            url = server.start(cancel=cancel)
         try:
-            info = self._connect(dataclasses.replace(spec, target=url, local_server=""))
+            self._connect(dataclasses.replace(spec, target=url, local_server=""))
         except BaseException:
             server.stop()
             raise
         self._local_server = server  # after _connect, whose release() would stop it
-        return info
+        # The target stays the file: a front end that remembers it reloads the model, never
+        # an address that ends with this session.
+        self._spec = spec
+        self.info = self._describe_served()
+        return self.info
 
     def _connect(self, spec: LoadSpec) -> SessionInfo:
         """A served engine: ask the server what it is; nothing is loaded here."""
@@ -208,7 +216,11 @@ class ChatSession:
             target_path="",
             draft=spec.draft,  # kept as asked: the server's own draft is in draft_name
             draft_name=f"the server's ({server.speculation})",
-            description=f"{server.kind} at {server.url}",
+            description=(
+                f"llama.cpp's server started here at {server.url}"
+                if self._local_server is not None
+                else f"{server.kind} at {server.url}"
+            ),
             warning="; ".join(server.notes),
             context_length=server.context_length,
             device="server",

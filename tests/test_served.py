@@ -26,8 +26,8 @@ from specdec_core import (
     TokenEvent,
 )
 from specdec_core.engine.events import Source
-from specdec_core.errors import ServerError
-from specdec_core.served import engines
+from specdec_core.errors import Cancelled, ServerError
+from specdec_core.served import engines, local_server
 from specdec_core.served.backend import ServedBackend
 from specdec_core.served.client import ServerAddress, is_server_url
 
@@ -305,12 +305,11 @@ def test_batch_invariance_is_claimed_only_where_the_server_reports_it():
 
 def test_a_local_server_serves_a_gguf_with_its_draft_and_stops_on_release(models, tmp_path):
     pytest.importorskip("xllamacpp", reason="llama.cpp's server comes from the xllamacpp package")
-    binary = tmp_path / "llama-server"  # tests/llama_server.py behind llama-server's flags
-    binary.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{SERVER_SCRIPT}" "$@"\n')
-    binary.chmod(0o755)
+    binary = _server_binary(tmp_path)
     session = ChatSession()
     info = session.load(LoadSpec(target=str(models[0]), draft=str(models[0]), local_server=str(binary)))
     assert info.server is not None and info.server.url.startswith("http://127.0.0.1:")
+    assert info.target == str(models[0])  # the file, not an address that dies with the session
     done = list(session.answer(HELLO, params=GenerationParams(max_new_tokens=8)))[-1]
     assert isinstance(done, DoneEvent) and done.stats.proposed > 0  # the draft was passed as -md
     process = session._local_server.process
@@ -318,7 +317,68 @@ def test_a_local_server_serves_a_gguf_with_its_draft_and_stops_on_release(models
     assert process is not None and process.poll() is not None
 
 
+def test_a_local_server_stops_when_another_model_loads(models, plain, tmp_path):
+    pytest.importorskip("xllamacpp", reason="llama.cpp's server comes from the xllamacpp package")
+    session = ChatSession()
+    session.load(LoadSpec(target=str(models[0]), local_server=str(_server_binary(tmp_path))))
+    process = session._local_server.process
+    session.load(LoadSpec(target=plain.url))
+    assert process is not None and process.poll() is not None
+
+
 def test_a_missing_server_binary_is_one_line(models, monkeypatch):
     monkeypatch.delenv("SPECDEC_LLAMA_SERVER", raising=False)
     with pytest.raises(ServerError, match="cannot start /nonexistent/llama-server"):
         ChatSession().load(LoadSpec(target=str(models[0]), local_server="/nonexistent/llama-server"))
+
+
+def test_every_id_llama_cpp_streams_lands_on_its_token_and_only_held_back_tokens_lack_one(endless):
+    # The same greedy answer, streamed and in one piece (whose reply lists every id): the
+    # stream's ids sit at the same places; the only gaps are tokens the server held back
+    # because their text ended inside a UTF-8 character (it streams no id for those).
+    backend = ServedBackend.connect(endless.url)
+    params = GenerationParams(max_new_tokens=64)
+    tokens = [e for e in backend.complete("hello", params, None, speculation=True) if isinstance(e, TokenEvent)]
+    whole = backend.client.post_json(
+        "/completion",
+        {"prompt": "hello", "n_predict": 64, "temperature": 0.0, "return_tokens": True, "stream": False},
+    )
+    assert len(tokens) == len(whole["tokens"]) == 64
+    assert all(t.token_id in (-1, w) for t, w in zip(tokens, whole["tokens"], strict=True))
+    held_back = [t for t in tokens if t.token_id == -1]
+    assert 0 < len(held_back) < len(tokens) // 2  # the tiny byte-level vocabulary splits characters
+    assert all(t.text == "" for t in held_back)  # its text comes with the next listed token
+    assert all(t.token_id >= 0 for t in tokens if t.text)
+
+
+def _server_binary(folder: Path) -> Path:
+    binary = folder / "llama-server"  # tests/llama_server.py behind llama-server's flags
+    binary.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{SERVER_SCRIPT}" "$@"\n')
+    binary.chmod(0o755)
+    return binary
+
+
+def test_a_cancelled_local_server_start_leaves_no_process_behind(models, tmp_path, monkeypatch):
+    pytest.importorskip("xllamacpp", reason="llama.cpp's server comes from the xllamacpp package")
+    started: list[subprocess.Popen] = []
+    popen = local_server.subprocess.Popen
+
+    def record(*args, **kwargs):
+        started.append(popen(*args, **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(local_server.subprocess, "Popen", record)
+    cancel = threading.Event()
+    cancel.set()  # closing the window while the server still loads its model
+    with pytest.raises(Cancelled):
+        ChatSession().load(
+            LoadSpec(target=str(models[0]), local_server=str(_server_binary(tmp_path))), cancel=cancel
+        )
+    assert len(started) == 1 and started[0].poll() is not None
+
+
+def test_a_local_server_wants_a_gguf_target(tmp_path):
+    folder = tmp_path / "a-model-folder"
+    folder.mkdir()
+    with pytest.raises(ServerError, match=r"serves a \.gguf file, not .*a-model-folder"):
+        ChatSession().load(LoadSpec(target=str(folder), local_server=str(_server_binary(tmp_path))))

@@ -205,9 +205,16 @@ class ServedBackend:
                 yield self._tokens(run, ids, new, content)
 
     def _tokens(self, run: _Answer, ids: list[int], new: int, content: str) -> list[TokenEvent]:
-        """`new` tokens that together add `content`: ids when the server listed each one."""
+        """`new` tokens that together add `content`, each with the id the server listed for it.
+
+        llama.cpp lists one id per chunk, the last token's: a chunk carries several tokens
+        only where the server held back the ones before it (their text ended inside a
+        UTF-8 character), and it sends their ids nowhere in a stream (not with `n_probs`,
+        not in the final chunk). Those get `UNKNOWN_ID`; the listed ids keep their places.
+        """
+        new = max(new, 1)
         if len(ids) != new:
-            ids = [UNKNOWN_ID] * max(new, 1)
+            ids = [UNKNOWN_ID] * (new - len(ids)) + ids if len(ids) < new else [UNKNOWN_ID] * new
             run.complete_ids = False
         step = run.chunks + 1
         return [
@@ -471,7 +478,7 @@ def _describe(
     if not token_ids:
         notes.append(f"{kind} streams text only: token ids are not available")
     if kind == engines.LLAMA_CPP:
-        notes.append("token ids: those llama.cpp's stream lists (-1 where a chunk merged several)")
+        notes.append("token ids: each one llama.cpp streams (-1 for a token it held back mid-character)")
     if kind in (engines.SGLANG, engines.OPENAI):
         notes.append("acceptance: per answer not reported by this server")
     return ServerInfo(

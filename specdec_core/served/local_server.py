@@ -17,18 +17,19 @@ import shutil
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
 from typing import IO
 
-from ..errors import ServerError
+from ..errors import Cancelled, ServerError
 
 BINARY_ENV = "SPECDEC_LLAMA_SERVER"
 START_TIMEOUT_S = 120.0  # a large model takes a while to map before /health answers
 
 
-def server_binary(configured: str = "") -> str:
+def llama_server_binary(configured: str = "") -> str:
     """The llama-server to start: `configured`, else $SPECDEC_LLAMA_SERVER, else llama-server on PATH."""
     for candidate in (configured, os.environ.get(BINARY_ENV, ""), shutil.which("llama-server") or ""):
         if candidate:
@@ -51,9 +52,12 @@ class LocalLlamaServer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}/v1"
 
-    def start(self, timeout: float = START_TIMEOUT_S) -> str:
-        if not Path(self.model).is_file():
-            raise ServerError(f"no model file at {self.model}: a local server needs a .gguf")
+    def start(self, timeout: float = START_TIMEOUT_S, cancel: threading.Event | None = None) -> str:
+        """Run the server and wait until it answers; a set `cancel` stops it and raises `Cancelled`."""
+        if not (self.model.endswith(".gguf") and Path(self.model).is_file()):
+            raise ServerError(
+                f"llama.cpp's server serves a .gguf file, not {self.model!r}: open a GGUF file as the target"
+            )
         self.port = _free_port()
         command = [
             self.binary,
@@ -74,12 +78,15 @@ class LocalLlamaServer:
         except OSError as exc:
             raise ServerError(f"cannot start {self.binary}: {exc.strerror or exc}") from None
         atexit.register(self.stop)
-        self._wait_until_healthy(timeout)
+        self._wait_until_healthy(timeout, cancel)
         return self.url
 
-    def _wait_until_healthy(self, timeout: float) -> None:
+    def _wait_until_healthy(self, timeout: float, cancel: threading.Event | None) -> None:
         deadline = time.monotonic() + timeout
         while not self._healthy():
+            if cancel is not None and cancel.is_set():
+                self.stop()
+                raise Cancelled("starting llama.cpp's server was cancelled")
             code = self.process.poll() if self.process else None
             if code is not None:
                 raise ServerError(f"{Path(self.binary).name} exited with code {code}: {self._last_error()}")
@@ -88,7 +95,10 @@ class LocalLlamaServer:
                 raise ServerError(
                     f"{Path(self.binary).name} did not answer on 127.0.0.1 within {timeout:g} s"
                 )
-            time.sleep(0.1)
+            if cancel is not None:
+                cancel.wait(0.1)
+            else:
+                time.sleep(0.1)
 
     def _healthy(self) -> bool:
         try:
