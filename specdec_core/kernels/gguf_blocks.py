@@ -107,6 +107,16 @@ def block_type(qtype: int | str | GGMLQuantizationType) -> GGMLQuantizationType:
     return known
 
 
+def kernels_run() -> bool:
+    """Whether the C kernels run here (else every quantized linear takes the slow fallback)."""
+    return native.unavailable() is None
+
+
+def repacks(qtype: int) -> bool:
+    """Whether `activations="i8"` runs a tensor of this type here (Q4_K, Q6_K; the kernels built)."""
+    return qtype in REPACKED_BITS and kernels_run()
+
+
 def row_bytes(qtype: GGMLQuantizationType, in_features: int) -> int:
     """Bytes of one output row of `in_features` weights (a whole number of blocks)."""
     weights, size = GGML_QUANT_SIZES[qtype]
