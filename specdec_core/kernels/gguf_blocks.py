@@ -22,12 +22,12 @@ weights' type (Q8_K for the K-quants, Q8_0 or Q8_1 for the 32-weight types) and 
 meet as integers: llama.cpp's own function, up to the order of the float sums, still batch-
 invariant. With `"f32"` x is not quantized at all (the float types always run so).
 With `"i8"` (Q4_K and Q6_K only) the blocks are repacked once, as the linear is made, into the
-layout of our int4 kernel (int4_cpu.c, via gguf_cpu.c's gguf_repack): every q value moved
-unchanged, each 32 inputs' scales the exact fp32 products the dequantization forms, so the
-weights are still the file's, bit for bit. The rows are quantized as int4_cpu.c quantizes
+layout of our int4 kernel (int4_cpu.c, via gguf_cpu.c's gguf_repack): every q value, scale
+and fp16 d moved unchanged, and the kernel forms each scale as the dequantization does (d * sc,
+exact in fp32), so the weights are still the file's, bit for bit. The rows are quantized as int4_cpu.c quantizes
 them: int8 with one scale per 32 inputs (max |x| / 127), finer than llama.cpp's Q8_K (one per
 256). That runs at the int4 kernel's pace, at the cost of the repacked copy in memory (about
-the tensor's size again; the file's pages then go unread and the system may drop them).
+the tensor's own size, 1-3% more; the file's pages then go unread and the system may drop them).
 `GGUFLinear.fidelity` says which in words, for the fidelity label.
 
 `block_type` is the one place that says which block types run here; any other (IQ2_XS, Q3_K,

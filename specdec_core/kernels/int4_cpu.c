@@ -18,10 +18,14 @@
  * channels' fp16 scales and their 16 fp16 minimums.
  *
  * GGUF's Q4_K and Q6_K run here too, their values unchanged (gguf_cpu.c's gguf_repack moves
- * their q values into this layout): the same q bytes, then fp32 scales in place of the fp16
- * pair, since d * sc (fp16 times a 6- or 8-bit integer) is exact in fp32 and not in fp16.
- * K4 (Q4_K): a scale and a minimum per channel and group, w = scale * q + min. K6 (Q6_K): a
- * scale for inputs 0..15 and one for 16..31, w = scale * (q - 32); its group's product is
+ * them into layouts K4 and K6). Their scales are d * sc, an fp16 d per channel and 256 inputs
+ * times a small integer sc, which fp16 cannot hold but fp32 holds exactly: so each 8 groups
+ * (256 inputs) of a block start with a head of the 16 channels' fp16 d and, for K4, their
+ * fp16 -dmin (64 bytes); each group then has the same q bytes as above and 2 x 16 integer
+ * bytes in place of the fp16 scales, and the kernel forms d * sc in fp32, exactly the
+ * dequantization's own products. K4 (Q4_K): bytes sc (0..63), then m (0..63); w = (d * sc) *
+ * q + (-dmin * m). K6 (Q6_K): int8 sc of inputs 0..15, then of 16..31; w = (d * sc) * (q - 32);
+ * its group's product is
  *
  *     a * (s0 * (sum0(q * xq) - 32 * sum0(xq)) + s1 * (sum1(q * xq) - 32 * sum1(xq)))
  *
@@ -66,12 +70,22 @@
 #define FITS_LIMIT 32752.0f
 /* `bits` names a layout: 4 or 6 (fp16 scales), or K4 and K6 (fp32 scales, above). The kernels
  * are inlined for each, so a layout's tests on `bits` are resolved when compiled. */
-#define FP32_SCALES 0x10
-#define K4 (4 | FP32_SCALES)
-#define K6 (6 | FP32_SCALES)
+#define K_SCALES 0x10
+#define K4 (4 | K_SCALES)
+#define K6 (6 | K_SCALES)
 #define QBITS(bits) ((bits) & 0x0F)
-#define SCALES_AT(bits) (((bits) & FP32_SCALES) ? 2 * LANES * 4 : SCALE_BYTES)
-#define BLOCK_BYTES(bits) (4 * 64 + (QBITS(bits) == 6 ? 2 * 64 : 0) + SCALES_AT(bits))
+#define Q_BYTES(bits) (4 * 64 + (QBITS(bits) == 6 ? 2 * 64 : 0))
+#define SCALES_AT(bits) (((bits) & K_SCALES) ? 2 * LANES : SCALE_BYTES)
+#define BLOCK_BYTES(bits) (Q_BYTES(bits) + SCALES_AT(bits)) /* one group's */
+#define K_HEAD 64 /* a K layout's fp16 d (and -dmin) of 16 channels, before each 8 groups */
+#define K_GROUPS 8
+/* Group g of a block of `bits`'s layout, and the bytes of a block of `groups` groups. */
+#define GROUP_AT(w, g, bits)                                                                        \
+    (((bits) & K_SCALES) ? (w) + (g) / K_GROUPS * (K_HEAD + K_GROUPS * BLOCK_BYTES(bits)) + K_HEAD + \
+                               (g) % K_GROUPS * BLOCK_BYTES(bits)                                   \
+                         : (w) + (g) * BLOCK_BYTES(bits))
+#define BLOCK_STRIDE(bits, groups) \
+    (((bits) & K_SCALES) ? (groups) / K_GROUPS * (K_HEAD + K_GROUPS * BLOCK_BYTES(bits)) : (groups) * BLOCK_BYTES(bits))
 
 /* One row's groups: int8 values, scale a, and a * sum(values). The same numbers as
  *     a = max |x| / 127 (NaNs left out, as fmaxf does), v = (int)nearbyintf(x / a)
@@ -175,8 +189,9 @@ static inline __attribute__((always_inline)) void block_tile(
     __m512 acc[TILE];
     for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
     const int64_t block_bytes = BLOCK_BYTES(bits);
+    __m512 d = _mm512_setzero_ps(), dmin = _mm512_setzero_ps(); /* a K layout's, for 8 groups */
     for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *blk = w + g * block_bytes;
+        const uint8_t *blk = GROUP_AT(w, g, bits);
         for (int line = 0; line < block_bytes; line += 64) { /* never faults, even past the end */
             if (rows < TILE) /* constant: block_tile is inlined for each row count */
                 _mm_prefetch((const char *)(blk + STREAM_AHEAD * block_bytes + line), STREAM_HINT);
@@ -189,11 +204,22 @@ static inline __attribute__((always_inline)) void block_tile(
         const int high_times_16 = rows == 1 && QBITS(bits) == 4;
         __m512i wv[8];
         unpack_group(blk, QBITS(bits), high_times_16, wv);
-        const uint8_t *scales = blk + block_bytes - SCALES_AT(bits);
+        const uint8_t *scales = blk + Q_BYTES(bits);
         __m512 s, mn; /* at K6, mn is the second half's scale */
-        if (bits & FP32_SCALES) {
-            s = _mm512_loadu_ps((const void *)scales);
-            mn = _mm512_loadu_ps((const void *)(scales + 64));
+        if (bits & K_SCALES) {
+            if (g % K_GROUPS == 0) {
+                const uint8_t *head = blk - K_HEAD;
+                d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)head));
+                dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(head + 32)));
+            }
+            __m128i first = _mm_loadu_si128((const __m128i *)scales), second = _mm_loadu_si128((const __m128i *)(scales + 16));
+            if (bits == K6) {
+                s = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(first)));
+                mn = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(second)));
+            } else {
+                s = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(first)));
+                mn = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(second)));
+            }
         } else {
             s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)scales));
             mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + 32)));
@@ -255,8 +281,9 @@ static inline __attribute__((always_inline)) void half_tile(
     const int64_t block_bytes = BLOCK_BYTES(bits);
     const __m256i nibble = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30), ones = _mm256_set1_epi16(1);
     const int per_sum = QBITS(bits) == 6 ? 2 : 8; /* vectors added in int16 before widening */
+    __m256 d = _mm256_setzero_ps(), dmin = _mm256_setzero_ps(); /* a K layout's, for 8 groups */
     for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *blk = w + g * block_bytes;
+        const uint8_t *blk = GROUP_AT(w, g, bits);
         if (half == 0)
             for (int line = 0; line < block_bytes; line += 64)
                 _mm_prefetch((const char *)(blk + PREFETCH * block_bytes + line), _MM_HINT_T0);
@@ -275,11 +302,23 @@ static inline __attribute__((always_inline)) void half_tile(
                 wv[4 * h + 3] = _mm256_or_si256(wv[4 * h + 3], _mm256_and_si256(_mm256_srli_epi16(high, 2), top));
             }
         }
-        const uint8_t *scales = blk + block_bytes - SCALES_AT(bits);
+        const uint8_t *scales = blk + Q_BYTES(bits);
         __m256 s, mn; /* at K6, mn is the second half's scale */
-        if (bits & FP32_SCALES) {
-            s = _mm256_loadu_ps((const float *)(scales + 32 * half));
-            mn = _mm256_loadu_ps((const float *)(scales + 64 + 32 * half));
+        if (bits & K_SCALES) {
+            if (g % K_GROUPS == 0) {
+                const uint8_t *head = blk - K_HEAD;
+                d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(head + 16 * half)));
+                dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(head + 32 + 16 * half)));
+            }
+            __m128i first = _mm_loadl_epi64((const __m128i *)(scales + 8 * half));
+            __m128i second = _mm_loadl_epi64((const __m128i *)(scales + 16 + 8 * half));
+            if (bits == K6) {
+                s = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(first)));
+                mn = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(second)));
+            } else {
+                s = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(first)));
+                mn = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(second)));
+            }
         } else {
             s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + 16 * half)));
             mn = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + 32 + 16 * half)));
@@ -349,17 +388,27 @@ static void unpack_values(const uint8_t *blk, int bits, int16_t q[LANES][GROUP])
 
 static float from_half(uint16_t half);
 
-/* A block's 2 x 16 scales as floats: fp16 (first the scales, then the minimums) or fp32. */
-static void block_scales(const uint8_t *blk, int bits, float s[2 * LANES]) {
-    const uint8_t *scales = blk + BLOCK_BYTES(bits) - SCALES_AT(bits);
-    if (bits & FP32_SCALES) {
-        memcpy(s, scales, sizeof(float) * 2 * LANES);
+/* The fp16 value at `p`. */
+static float half_at(const uint8_t *p) {
+    uint16_t half;
+    memcpy(&half, p, sizeof half);
+    return from_half(half);
+}
+
+/* Group g's 2 x 16 scales as floats (scales, then minimums; at K6 the second half's scales):
+ * fp16, or a K layout's d (or -dmin) from its head times the group's integers, in fp32. */
+static void block_scales(const uint8_t *w, int64_t g, int bits, float s[2 * LANES]) {
+    const uint8_t *blk = GROUP_AT(w, g, bits), *scales = blk + Q_BYTES(bits);
+    if (!(bits & K_SCALES)) {
+        for (int c = 0; c < 2 * LANES; c++) s[c] = half_at(scales + 2 * c);
         return;
     }
-    for (int c = 0; c < 2 * LANES; c++) {
-        uint16_t half;
-        memcpy(&half, scales + 2 * c, sizeof half);
-        s[c] = from_half(half);
+    const uint8_t *head = GROUP_AT(w, g - g % K_GROUPS, bits) - K_HEAD;
+    for (int c = 0; c < LANES; c++) {
+        int first = bits == K6 ? (int8_t)scales[c] : scales[c];
+        int second = bits == K6 ? (int8_t)scales[LANES + c] : scales[LANES + c];
+        s[c] = half_at(head + 2 * c) * (float)first;
+        s[LANES + c] = half_at(head + (bits == K6 ? 0 : 32) + 2 * c) * (float)second;
     }
 }
 
@@ -367,11 +416,10 @@ static void block_tile(const uint8_t *w, int64_t groups, const int8_t *q, const 
                        const float *scaled_sum, const float *half_sum, int64_t k, int rows, int bits,
                        const float *bias, float *y, int64_t n_out, int64_t col) {
     float acc[TILE][LANES] = {{0}};
-    const int64_t block_bytes = BLOCK_BYTES(bits);
     for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *blk = w + g * block_bytes;
+        const uint8_t *blk = GROUP_AT(w, g, bits);
         float s[2 * LANES]; /* scales, then minimums (at K6 the second half's scales) */
-        block_scales(blk, bits, s);
+        block_scales(w, g, bits, s);
         int16_t wq[LANES][GROUP]; /* channel c, input j */
         unpack_values(blk, QBITS(bits), wq);
         for (int r = 0; r < rows; r++) {
@@ -429,7 +477,7 @@ static void compute_blocks(const uint8_t *w, int bits, int64_t k, const int8_t *
                            float *y, int64_t n_out, int64_t first, int64_t last) {
     int64_t groups = k / GROUP;
     for (int64_t b = first; b < last; b++) {
-        const uint8_t *wb = w + b * groups * BLOCK_BYTES(bits);
+        const uint8_t *wb = w + b * BLOCK_STRIDE(bits, groups);
         for (int64_t r0 = 0; r0 < rows; r0 += TILE) {
             int tile_rows = rows - r0 < TILE ? (int)(rows - r0) : TILE;
             const int8_t *tq = q + r0 * k;
@@ -605,15 +653,22 @@ int int4_linear(const uint8_t *w, int64_t n_out, int64_t k, const float *x, int6
  * Q6_K's K6. The same rules and results otherwise. */
 int int4_linear_repacked(const uint8_t *w, int64_t n_out, int64_t k, const float *x, int64_t rows,
                          const float *bias, float *y, int threads, int bits) {
-    if (bits != 4 && bits != 6) return -1;
-    return linear(w, n_out, k, x, rows, bias, y, threads, bits | FP32_SCALES);
+    if ((bits != 4 && bits != 6) || k % (K_GROUPS * GROUP)) return -1;
+    return linear(w, n_out, k, x, rows, bias, y, threads, bits | K_SCALES);
 }
 
 /* The bytes gguf_repack writes for an [n_out, k] tensor in layout K4 (`bits` 4) or K6 (6). */
 int64_t int4_repacked_bytes(int64_t n_out, int64_t k, int bits) {
     int64_t blocks = (n_out + LANES - 1) / LANES, groups = k / GROUP;
-    return blocks * groups * (bits == 6 ? BLOCK_BYTES(K6) : BLOCK_BYTES(K4));
+    return blocks * (bits == 6 ? BLOCK_STRIDE(K6, groups) : BLOCK_STRIDE(K4, groups));
 }
+
+/* Where gguf_repack writes into a K layout's block (bytes from its start): the head of group
+ * g's 8 groups, and group g; `bits` 4 for K4, 6 for K6. */
+int64_t int4_repacked_head(int64_t g, int bits) {
+    return (bits == 6 ? GROUP_AT(0, g, K6) : GROUP_AT(0, g, K4)) - K_HEAD;
+}
+int64_t int4_repacked_group(int64_t g, int bits) { return bits == 6 ? GROUP_AT(0, g, K6) : GROUP_AT(0, g, K4); }
 
 /* Channel c's q values of one group (0..15, or 0..63 at 6 bits) into a zeroed block, in the
  * layout above: vector t, byte 4c + i holds input 8t + i low, 8t + 4 + i high; at 6 bits the
