@@ -230,7 +230,11 @@ class GGUFLinear(nn.Module):
             why = self.fallback_reason if self.path == FALLBACK else f"{self.qtype.name} weights are floats"
             raise ValueError(f"Q8 activations cannot run here: {why}")
         if asked == I8 and (self.path != NATIVE or self.qtype not in REPACKED_BITS):
-            why = self.fallback_reason if self.path == FALLBACK else f"only {', '.join(t.name for t in REPACKED_BITS)} repack"
+            why = (
+                f"only {', '.join(t.name for t in REPACKED_BITS)} repack"
+                if self.qtype not in REPACKED_BITS
+                else self.fallback_reason
+            )
             raise ValueError(f"int8 activations per 32 inputs cannot run on {self.qtype.name} here: {why}")
         return asked
 
