@@ -227,7 +227,8 @@ class GGUFLinear(nn.Module):
         if asked not in (Q8, F32, I8):
             raise ValueError(f"activations must be {Q8!r}, {F32!r} or {I8!r}, not {asked!r}")
         if asked == Q8 and not runs_q8:
-            why = self.fallback_reason if self.path == FALLBACK else f"{self.qtype.name} weights are floats"
+            floats = self.qtype not in ACTIVATION_BLOCKS
+            why = f"{self.qtype.name} weights are floats" if floats else self.fallback_reason
             raise ValueError(f"Q8 activations cannot run here: {why}")
         if asked == I8 and (self.path != NATIVE or self.qtype not in REPACKED_BITS):
             why = (
