@@ -138,3 +138,15 @@ def test_the_repacked_mode_elsewhere_is_refused_in_one_line(monkeypatch) -> None
     monkeypatch.setattr(native, "unavailable", lambda: "no C compiler (cc, gcc)")
     with pytest.raises(ValueError, match="cannot run on Q4_K here: no C compiler"):
         _linear(Q.Q4_K)
+
+
+@needs_kernel
+def test_a_copy_of_a_repacked_linear_computes_the_same_bits() -> None:
+    import copy
+
+    linear = _linear(Q.Q6_K)
+    x = torch.randn(3, linear.in_features, generator=torch.Generator().manual_seed(5))
+    twin = copy.deepcopy(linear)
+    assert twin.packed is not None and twin.packed.ctypes.data != linear.packed.ctypes.data
+    del linear
+    assert torch.equal(twin(x), _linear(Q.Q6_K)(x))

@@ -214,6 +214,11 @@ class GGUFLinear(nn.Module):
         weakref.finalize(self, native.settle_helper)
         return packed
 
+    def __setstate__(self, state: dict[str, Any]) -> None:  # a copy (deepcopy, pickle) is freed the same way
+        super().__setstate__(state)
+        if self.packed is not None:
+            weakref.finalize(self, native.settle_helper)
+
     def _apply(self, fn: Any, recurse: bool = True) -> GGUFLinear:
         if self.packed is not None:
             native.settle_helper()  # `.to()` and the like may swap (and free) the bias the helper reads
