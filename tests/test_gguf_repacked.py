@@ -150,3 +150,24 @@ def test_a_copy_of_a_repacked_linear_computes_the_same_bits() -> None:
     assert twin.packed is not None and twin.packed.ctypes.data != linear.packed.ctypes.data
     del linear
     assert torch.equal(twin(x), _linear(Q.Q6_K)(x))
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", REPACKED, ids=lambda qtype: qtype.name)
+def test_a_repacked_linear_shared_with_the_helpers_gives_bitwise_its_one_thread_numbers(
+    qtype: GGMLQuantizationType,
+) -> None:
+    linear = _linear(qtype, out_features=1100, seed=6)  # more blocks of 16 than an op has chunks (64)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        for rows in (1, 5, 9):
+            x = torch.randn(rows, linear.in_features, generator=torch.Generator().manual_seed(rows))
+            native.share_spare_core(False)
+            alone = linear(x)
+            native.share_spare_core(True)
+            for _ in range(5):
+                assert torch.equal(linear(x), alone), rows
+    finally:
+        native.share_spare_core(False)
+        torch.set_num_threads(threads)
