@@ -277,7 +277,7 @@ def test_the_mode_is_q8_where_it_runs_and_says_so() -> None:
 def test_q8_that_cannot_run_is_refused_in_one_line(monkeypatch) -> None:
     with pytest.raises(ValueError, match="F16 weights are floats"):
         GGUFLinear(Q.F16, np.zeros(2 * 64, dtype=np.uint8), 64, 1, activations=Q8)
-    with pytest.raises(ValueError, match="must be 'q8' or 'f32', not 'int8'"):
+    with pytest.raises(ValueError, match="must be 'q8', 'f32' or 'i8', not 'int8'"):
         _linear(Q.Q4_K, activations="int8")
     monkeypatch.setattr(native, "unavailable", lambda: "no C compiler (cc, gcc)")
     assert _linear(Q.Q4_K).activations == F32  # the fallback: fp32 rows, labelled so

@@ -13,11 +13,14 @@ from test_gguf_convert import write_tiny_llama_gguf
 
 from specdec_core import ChatSession, GenerationParams, LoadSpec, Message
 from specdec_core.errors import ModelLoadError
-from specdec_core.kernels.gguf_blocks import GGUFLinear
+from specdec_core.kernels import native
+from specdec_core.kernels.gguf_blocks import F32, I8, GGUFLinear
 from specdec_core.models import gguf_convert, gguf_native
 from specdec_core.models.gguf_file import read_gguf
 from specdec_core.models.loading import fidelity_label, load_model
 from specdec_core.tools import cli
+
+needs_kernel = pytest.mark.skipif(native.unavailable() is not None, reason=str(native.unavailable()))
 
 
 @pytest.fixture(autouse=True)
@@ -103,12 +106,30 @@ def test_an_architecture_without_a_mapping_is_refused_in_one_line(tiny_gguf, mon
     assert load_model(str(tiny_gguf), device="cpu", precision="auto").precision != "gguf"
 
 
+@needs_kernel  # without them no type is fast: the next test
 def test_auto_runs_a_gguf_as_stored_only_where_the_kernels_are_fast(tiny_gguf, monkeypatch):
     monkeypatch.setattr(gguf_native, "FAST_TYPES", frozenset({0, 8}))  # F32 and Q8_0
     assert load_model(str(tiny_gguf), device="cpu", precision="auto").precision == "gguf"
     monkeypatch.setattr(gguf_native, "FAST_TYPES", frozenset({0}))
     slow = load_model(str(tiny_gguf), device="cpu", precision="auto")
     assert slow.precision != "gguf" and slow.fidelity.startswith(f"re-quantized: {slow.precision} from")
+
+
+def test_auto_leaves_a_fast_type_to_the_converted_path_where_the_kernels_do_not_run(tiny_gguf, monkeypatch):
+    monkeypatch.setattr(gguf_native, "FAST_TYPES", frozenset({0, 8}))  # F32 and Q8_0
+    monkeypatch.setattr(native, "unavailable", lambda: "no C compiler (cc, gcc)")
+    file = read_gguf(tiny_gguf)
+    assert not gguf_native.runs_fast(file)  # the fallback de-quantizes on every call: not fast
+    monkeypatch.setattr(native, "unavailable", lambda: None)
+    assert gguf_native.runs_fast(file)
+
+
+@needs_kernel
+def test_the_loader_runs_q4_k_and_q6_k_repacked_and_other_types_with_fp32_rows(monkeypatch):
+    assert {gguf_native._activations(qtype) for qtype in (12, 14)} == {I8}
+    assert {gguf_native._activations(qtype) for qtype in (8, 13, 0)} == {F32}
+    monkeypatch.setattr(native, "unavailable", lambda: "no C compiler (cc, gcc)")
+    assert gguf_native._activations(12) == F32  # the fallback's rows are fp32
 
 
 def test_a_truncated_gguf_is_one_line(tmp_path, tiny_gguf):

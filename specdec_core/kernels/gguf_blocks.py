@@ -21,6 +21,13 @@ quantized type, each row of x is first quantized to the Q8 blocks llama.cpp pair
 weights' type (Q8_K for the K-quants, Q8_0 or Q8_1 for the 32-weight types) and the blocks
 meet as integers: llama.cpp's own function, up to the order of the float sums, still batch-
 invariant. With `"f32"` x is not quantized at all (the float types always run so).
+With `"i8"` (Q4_K and Q6_K only) the blocks are repacked once, as the linear is made, into the
+layout of our int4 kernel (int4_cpu.c, via gguf_cpu.c's gguf_repack): every q value, scale
+and fp16 d moved unchanged, and the kernel forms each scale as the dequantization does (d * sc,
+exact in fp32), so the weights are still the file's, bit for bit. The rows are quantized as int4_cpu.c quantizes
+them: int8 with one scale per 32 inputs (max |x| / 127), finer than llama.cpp's Q8_K (one per
+256). That runs at the int4 kernel's pace, at the cost of the repacked copy in memory (about
+the tensor's own size, 1-3% more; the file's pages then go unread and the system may drop them).
 `GGUFLinear.fidelity` says which in words, for the fidelity label.
 
 `block_type` is the one place that says which block types run here; any other (IQ2_XS, Q3_K,
@@ -31,6 +38,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import weakref
+from typing import Any
 
 import numpy as np
 import torch
@@ -58,6 +67,9 @@ NATIVE = "native"  # gguf_cpu.c, the blocks decoded in registers
 FALLBACK = "fallback"  # gguf.quants dequantizes the blocks on every call, torch multiplies
 Q8 = "q8"  # rows quantized to llama.cpp's Q8 blocks, integer block products
 F32 = "f32"  # rows as they are, fp32
+I8 = "i8"  # rows quantized to int8 per 32 inputs, the blocks repacked for int4_cpu.c's kernel
+# The block types "i8" runs, and the q bits of each one's repacked layout.
+REPACKED_BITS = {GGMLQuantizationType.Q4_K: 4, GGMLQuantizationType.Q6_K: 6}
 # The Q8 blocks llama.cpp quantizes activations to for each weight type (its vec_dot_type).
 ACTIVATION_BLOCKS = {
     GGMLQuantizationType.Q4_0: "Q8_0",
@@ -95,6 +107,16 @@ def block_type(qtype: int | str | GGMLQuantizationType) -> GGMLQuantizationType:
     return known
 
 
+def kernels_run() -> bool:
+    """Whether the C kernels run here (else every quantized linear takes the slow fallback)."""
+    return native.unavailable() is None
+
+
+def repacks(qtype: int) -> bool:
+    """Whether `activations="i8"` runs a tensor of this type here (Q4_K, Q6_K; the kernels built)."""
+    return qtype in REPACKED_BITS and kernels_run()
+
+
 def row_bytes(qtype: GGMLQuantizationType, in_features: int) -> int:
     """Bytes of one output row of `in_features` weights (a whole number of blocks)."""
     weights, size = GGML_QUANT_SIZES[qtype]
@@ -115,6 +137,12 @@ def _typed(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.gguf_dequantize.restype = c_int
     lib.gguf_block_bytes.argtypes = [c_int, ctypes.POINTER(ctypes.c_int64)]
     lib.gguf_block_bytes.restype = size
+    lib.gguf_repack.argtypes = [c_int, pointer, size, size, pointer, c_int]
+    lib.gguf_repack.restype = c_int
+    lib.gguf_repacked_bytes.argtypes = [c_int, size, size]
+    lib.gguf_repacked_bytes.restype = size
+    lib.int4_linear_repacked.argtypes = [pointer, size, size, pointer, size, pointer, pointer, c_int, c_int]
+    lib.int4_linear_repacked.restype = c_int
     return lib
 
 
@@ -150,8 +178,8 @@ class GGUFLinear(nn.Module):
         bias: torch.Tensor | None = None,
         activations: str | None = None,
     ) -> None:
-        """`activations`: "q8" or "f32" (see the module's docstring); None picks "q8" where it
-        runs (a quantized type, the kernels present), "f32" otherwise."""
+        """`activations`: "q8", "f32" or "i8" (see the module's docstring); None picks "q8"
+        where it runs (a quantized type, the kernels present), "f32" otherwise."""
         super().__init__()
         self.qtype = block_type(qtype)
         self.in_features, self.out_features = in_features, out_features
@@ -168,17 +196,52 @@ class GGUFLinear(nn.Module):
         self.fallback_reason = native.unavailable()  # None: the C kernel runs
         self.path = NATIVE if self.fallback_reason is None else FALLBACK
         self.activations = self._activations(activations)
+        self.packed: np.ndarray | None = self._repack() if self.activations == I8 else None
+
+    def _repack(self) -> np.ndarray:
+        """The blocks in int4_cpu.c's layout for this type (a copy in memory; the same values)."""
+        lib = kernel()
+        size = lib.gguf_repacked_bytes(int(self.qtype), self.out_features, self.in_features)
+        packed = np.empty(size, dtype=np.uint8)
+        status = lib.gguf_repack(
+            int(self.qtype), self.blocks.ctypes.data, self.out_features, self.in_features, packed.ctypes.data,
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if status != 0:
+            raise ValueError(f"gguf_cpu.c cannot repack a {self.qtype.name} tensor of {self.in_features} inputs")
+        # With one thread the kernel's helper (helper_cpu.c) may still read an op's weights and
+        # bias after it returns: the linear waits for it before they can be freed.
+        weakref.finalize(self, native.settle_helper)
+        return packed
+
+    def __setstate__(self, state: dict[str, Any]) -> None:  # a copy (deepcopy, pickle) is freed the same way
+        super().__setstate__(state)
+        if self.packed is not None:
+            weakref.finalize(self, native.settle_helper)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> GGUFLinear:
+        if self.packed is not None:
+            native.settle_helper()  # `.to()` and the like may swap (and free) the bias the helper reads
+        return super()._apply(fn, recurse)
 
     def _activations(self, asked: str | None) -> str:
         """The activation mode this linear runs: `asked`, or the best one where None."""
         runs_q8 = self.path == NATIVE and self.qtype in ACTIVATION_BLOCKS
         if asked is None:
             return Q8 if runs_q8 else F32
-        if asked not in (Q8, F32):
-            raise ValueError(f"activations must be {Q8!r} or {F32!r}, not {asked!r}")
+        if asked not in (Q8, F32, I8):
+            raise ValueError(f"activations must be {Q8!r}, {F32!r} or {I8!r}, not {asked!r}")
         if asked == Q8 and not runs_q8:
-            why = self.fallback_reason if self.path == FALLBACK else f"{self.qtype.name} weights are floats"
+            floats = self.qtype not in ACTIVATION_BLOCKS
+            why = f"{self.qtype.name} weights are floats" if floats else self.fallback_reason
             raise ValueError(f"Q8 activations cannot run here: {why}")
+        if asked == I8 and (self.path != NATIVE or self.qtype not in REPACKED_BITS):
+            why = (
+                f"only {', '.join(t.name for t in REPACKED_BITS)} repack"
+                if self.qtype not in REPACKED_BITS
+                else self.fallback_reason
+            )
+            raise ValueError(f"int8 activations per 32 inputs cannot run on {self.qtype.name} here: {why}")
         return asked
 
     @property
@@ -186,6 +249,8 @@ class GGUFLinear(nn.Module):
         """What this linear computes, in words: the weights as stored, and the activations."""
         if self.activations == Q8:
             return f"as stored, activations {ACTIVATION_BLOCKS[self.qtype]} like llama.cpp"
+        if self.activations == I8:
+            return "as stored, activations int8 per 32 inputs (finer than llama.cpp's Q8_K)"
         return "as stored, fp32 activations"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -194,6 +259,8 @@ class GGUFLinear(nn.Module):
             rows = rows.float().contiguous()
         if self.path == FALLBACK:
             y = self._fallback(rows)
+        elif self.packed is not None:
+            y = self._repacked(rows)
         else:
             y = self._native(
                 rows, kernel().gguf_linear_q8 if self.activations == Q8 else kernel().gguf_linear
@@ -213,6 +280,18 @@ class GGUFLinear(nn.Module):
             raise ValueError(
                 f"gguf_cpu.c refused a {self.out_features}x{self.in_features} {self.qtype.name} linear"
             )
+        return y
+
+    def _repacked(self, rows: torch.Tensor) -> torch.Tensor:
+        assert self.packed is not None
+        y = torch.empty(rows.shape[0], self.out_features)
+        status = kernel().int4_linear_repacked(
+            self.packed.ctypes.data, self.out_features, self.in_features, rows.data_ptr(), rows.shape[0],
+            None if self.bias is None else self.bias.data_ptr(), y.data_ptr(), torch.get_num_threads(),
+            REPACKED_BITS[self.qtype],
+        )  # fmt: skip
+        if status != 0:
+            raise MemoryError(f"no memory to quantize {rows.shape[0]} rows of {self.in_features} inputs")
         return y
 
     def _fallback(self, rows: torch.Tensor) -> torch.Tensor:

@@ -933,3 +933,96 @@ int gguf_linear_q8(int type, const uint8_t *w, int64_t n_out, int64_t k, const f
     free(acts);
     return 0;
 }
+
+/* ---------------------------------------------------------------------------------------------
+ * Q4_K and Q6_K repacked into int4_cpu.c's layouts K4 and K6, whose kernel (int4_linear_repacked)
+ * multiplies them at the pace of int4's own weights. Nothing of the file's values changes: each
+ * q value, d and sc is moved as it is (dmin with its sign flipped), and the kernel forms each
+ * scale as the dequantization does, d * sc, exact in fp32; so (d * sc) * q + (-dmin * m) (Q4_K)
+ * and (d * sc) * (q - 32) (Q6_K) are the file's weights.
+ */
+void int4_place(uint8_t *blk, int bits, int c, const uint8_t q[32]);
+int64_t int4_repacked_bytes(int64_t n_out, int64_t k, int bits);
+int64_t int4_repacked_head(int64_t g, int bits);
+int64_t int4_repacked_group(int64_t g, int bits);
+
+/* One K-quant block of one channel: its fp16 d and -dmin (Q4_K), and per group of 32 the q
+ * values and two bytes (Q4_K: sc and m; Q6_K: the int8 sc of inputs 0..15 and of 16..31). */
+typedef struct {
+    uint16_t d, minus_dmin;
+    uint8_t q[8][32], first[8], second[8];
+} k_block;
+
+/* Q4_K: d, dmin, 12 scale bytes, 128 bytes of nibbles (sub-block s: the low (s even) or high
+ * nibbles of bytes 32 (s / 2) ..). */
+static void read_q4_k(const uint8_t *b, k_block *out) {
+    memcpy(&out->d, b, 2);
+    memcpy(&out->minus_dmin, b + 2, 2);
+    out->minus_dmin ^= 0x8000; /* the sign bit: -dmin exactly */
+    for (int s = 0; s < 8; s++) {
+        int sc, m;
+        scale_min_k4(s, b + 4, &sc, &m);
+        out->first[s] = (uint8_t)sc, out->second[s] = (uint8_t)m;
+        for (int l = 0; l < 32; l++) out->q[s][l] = (uint8_t)((b[16 + 32 * (s / 2) + l] >> (4 * (s & 1))) & 0x0F);
+    }
+}
+
+/* Q6_K (group 4h + p: weights 128 h + 32 p ..): q values 0..63, and the int8 scales. */
+static void read_q6_k(const uint8_t *b, k_block *out) {
+    const uint8_t *ql = b, *qh = b + 128, *scales = b + 192;
+    memcpy(&out->d, b + 208, 2);
+    out->minus_dmin = 0;
+    for (int h = 0; h < 2; h++)
+        for (int p = 0; p < 4; p++) {
+            int g = 4 * h + p;
+            out->first[g] = scales[8 * h + 2 * p], out->second[g] = scales[8 * h + 2 * p + 1];
+            for (int l = 0; l < 32; l++) {
+                int low = (ql[64 * h + 32 * (p & 1) + l] >> (4 * (p / 2))) & 0x0F;
+                int high = (qh[32 * h + l] >> (2 * p)) & 3;
+                out->q[g][l] = (uint8_t)(low | high << 4);
+            }
+        }
+}
+
+/* W [n_out, k] of `type` (Q4_K or Q6_K, as the GGUF stores it) into `packed`, which holds
+ * gguf_repacked_bytes(type, n_out, k) bytes; channels past n_out are zero. 0; -1 for another
+ * type; -2 when k is not a whole number of blocks. */
+int gguf_repack(int type, const uint8_t *w, int64_t n_out, int64_t k, uint8_t *packed, int threads) {
+    if (type != Q4_K && type != Q6_K) return -1;
+    if (k % 256) return -2;
+    const int bits = type == Q4_K ? 4 : 6, lanes = 16;
+    const int64_t supers = k / 256, stride = int4_repacked_bytes(lanes, k, bits);
+    const int64_t row_bytes = supers * (type == Q4_K ? 144 : 210), blocks = (n_out + lanes - 1) / lanes;
+    const int64_t scales_at = 4 * 64 + (bits == 6 ? 2 * 64 : 0);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        uint8_t *out = packed + b * stride;
+        memset(out, 0, (size_t)stride);
+        for (int c = 0; c < lanes && b * lanes + c < n_out; c++) {
+            const uint8_t *row = w + (b * lanes + c) * row_bytes;
+            for (int64_t s = 0; s < supers; s++) {
+                k_block block;
+                if (type == Q4_K)
+                    read_q4_k(row + s * 144, &block);
+                else
+                    read_q6_k(row + s * 210, &block);
+                uint8_t *head = out + int4_repacked_head(8 * s, bits);
+                memcpy(head + 2 * c, &block.d, 2);
+                memcpy(head + 32 + 2 * c, &block.minus_dmin, 2);
+                for (int j = 0; j < 8; j++) {
+                    uint8_t *group = out + int4_repacked_group(8 * s + j, bits);
+                    int4_place(group, bits, c, block.q[j]);
+                    group[scales_at + c] = block.first[j];
+                    group[scales_at + lanes + c] = block.second[j];
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+/* The bytes gguf_repack writes for W [n_out, k] of `type`; 0 for a type it does not take. */
+int64_t gguf_repacked_bytes(int type, int64_t n_out, int64_t k) {
+    if ((type != Q4_K && type != Q6_K) || k % 256) return 0;
+    return int4_repacked_bytes(n_out, k, type == Q4_K ? 4 : 6);
+}

@@ -16,6 +16,20 @@
  * 8t + i in its low nibble and input 8t + 4 + i in its high nibble (the low 4 bits of q);
  * at 6 bits, two 64-byte vectors of the top 2 bits (unpack_group); then the 16
  * channels' fp16 scales and their 16 fp16 minimums.
+ *
+ * GGUF's Q4_K and Q6_K run here too, their values unchanged (gguf_cpu.c's gguf_repack moves
+ * them into layouts K4 and K6). Their scales are d * sc, an fp16 d per channel and 256 inputs
+ * times a small integer sc, which fp16 cannot hold but fp32 holds exactly: so each 8 groups
+ * (256 inputs) of a block start with a head of the 16 channels' fp16 d and, for K4, their
+ * fp16 -dmin (64 bytes); each group then has the same q bytes as above and 2 x 16 integer
+ * bytes in place of the fp16 scales, and the kernel forms d * sc in fp32, exactly the
+ * dequantization's own products. K4 (Q4_K): bytes sc (0..63), then m (0..63); w = (d * sc) *
+ * q + (-dmin * m). K6 (Q6_K): int8 sc of inputs 0..15, then of 16..31; w = (d * sc) * (q - 32);
+ * its group's product is
+ *
+ *     a * (s0 * (sum0(q * xq) - 32 * sum0(xq)) + s1 * (sum1(q * xq) - 32 * sum1(xq)))
+ *
+ * over the group's halves, the integer sums exact in float (below 2^24).
  */
 #include <math.h>
 #include <stdint.h>
@@ -54,13 +68,31 @@
 #define SCALE_BYTES (2 * LANES * 2)
 /* |w| below half of fp16's largest value (65504), so a group's scale and minimum fit in fp16. */
 #define FITS_LIMIT 32752.0f
-#define BLOCK_BYTES(bits) (4 * 64 + ((bits) == 6 ? 2 * 64 : 0) + SCALE_BYTES)
+/* `bits` names a layout: 4 or 6 (fp16 scales), or K4 and K6 (fp32 scales, above). The kernels
+ * are inlined for each, so a layout's tests on `bits` are resolved when compiled. */
+#define K_SCALES 0x10
+#define K4 (4 | K_SCALES)
+#define K6 (6 | K_SCALES)
+#define QBITS(bits) ((bits) & 0x0F)
+#define Q_BYTES(bits) (4 * 64 + (QBITS(bits) == 6 ? 2 * 64 : 0))
+#define SCALES_AT(bits) (((bits) & K_SCALES) ? 2 * LANES : SCALE_BYTES)
+#define BLOCK_BYTES(bits) (Q_BYTES(bits) + SCALES_AT(bits)) /* one group's */
+#define K_HEAD 64 /* a K layout's fp16 d (and -dmin) of 16 channels, before each 8 groups */
+#define K_GROUPS 8
+/* Group g of a block of `bits`'s layout, and the bytes of a block of `groups` groups. */
+#define GROUP_AT(w, g, bits)                                                                        \
+    (((bits) & K_SCALES) ? (w) + (g) / K_GROUPS * (K_HEAD + K_GROUPS * BLOCK_BYTES(bits)) + K_HEAD + \
+                               (g) % K_GROUPS * BLOCK_BYTES(bits)                                   \
+                         : (w) + (g) * BLOCK_BYTES(bits))
+#define BLOCK_STRIDE(bits, groups) \
+    (((bits) & K_SCALES) ? (groups) / K_GROUPS * (K_HEAD + K_GROUPS * BLOCK_BYTES(bits)) : (groups) * BLOCK_BYTES(bits))
 
 /* One row's groups: int8 values, scale a, and a * sum(values). The same numbers as
  *     a = max |x| / 127 (NaNs left out, as fmaxf does), v = (int)nearbyintf(x / a)
  * computed one value at a time; in vectors, since with one row it runs on one thread while
- * the other waits (docs/engine.md#the-cpu-4-bit-path-int4_cpupy-int4_cpuc). */
-static void quantize_row(const float *x, int64_t k, int8_t *q, float *scale, float *scaled_sum) {
+ * the other waits (docs/engine.md#the-cpu-4-bit-path-int4_cpupy-int4_cpuc). Unless
+ * `half_sum` is NULL, also each group's sums of values 0..15 and 16..31 (K6's), as floats. */
+static void quantize_row(const float *x, int64_t k, int8_t *q, float *scale, float *scaled_sum, float *half_sum) {
     for (int64_t g = 0; g < k / GROUP; g++) {
         const float *xs = x + g * GROUP;
         v16f lo = v16_loadu_ps(xs), hi = v16_loadu_ps(xs + 16);
@@ -70,14 +102,16 @@ static void quantize_row(const float *x, int64_t k, int8_t *q, float *scale, flo
         float steps[GROUP];
         v16_storeu_ps(steps, v16_round_ps(v16_div_ps(lo, v16_set1_ps(a))));
         v16_storeu_ps(steps + 16, v16_round_ps(v16_div_ps(hi, v16_set1_ps(a))));
-        int sum = 0;
+        int sum = 0, first = 0;
         for (int i = 0; i < GROUP; i++) {
             int v = a > 0.0f ? (int)steps[i] : 0;
             q[g * GROUP + i] = (int8_t)v;
             sum += v;
+            if (i == GROUP / 2 - 1) first = sum;
         }
         scale[g] = a;
         scaled_sum[g] = a * (float)sum;
+        if (half_sum) half_sum[2 * g] = (float)first, half_sum[2 * g + 1] = (float)(sum - first);
     }
 }
 
@@ -115,15 +149,49 @@ static inline __attribute__((always_inline)) void unpack_group(const uint8_t *bl
     }
 }
 
+/* K6's group for `rows` rows: each half (vectors 0..3, then 4..7) on its own, so that a tile of
+ * rows keeps one half's sums and the first half's products in registers, not both halves' sums.
+ * `q`, `half_sum` and `scale` point at the group's first row; rows lie k, 2 * groups and groups
+ * apart in them. */
+static inline __attribute__((always_inline)) void k6_group(const __m512i wv[8], __m512 s0, __m512 s1,
+                                                           const int8_t *q, int64_t k, const float *half_sum,
+                                                           const float *scale, int64_t groups, int rows,
+                                                           __m512 acc[TILE]) {
+    const int chains = rows <= 3 ? 2 : 1;
+    __m512 first[TILE];
+    for (int r = 0; r < rows; r++) first[r] = _mm512_setzero_ps(); /* set below: for the compiler */
+    for (int h = 0; h < 2; h++) {
+        __m512i dot[TILE * 2];
+        for (int i = 0; i < rows * chains; i++) dot[i] = _mm512_setzero_si512();
+        for (int c = 4 * h; c < 4 * h + 4; c++)
+            for (int r = 0; r < rows; r++) {
+                __m512i *d = &dot[r * chains + c % chains];
+                *d = dpbusd_broadcast(*d, wv[c], &((const int32_t *)(q + r * k))[c]);
+            }
+        for (int r = 0; r < rows; r++) {
+            __m512i sum = chains == 2 ? _mm512_add_epi32(dot[2 * r], dot[2 * r + 1]) : dot[r];
+            float xs = 32.0f * half_sum[2 * r * groups + h];
+            __m512 part = _mm512_sub_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(xs));
+            if (h == 0) {
+                first[r] = _mm512_mul_ps(part, s0);
+            } else {
+                __m512 f = _mm512_fmadd_ps(part, s1, first[r]);
+                acc[r] = _mm512_fmadd_ps(f, _mm512_set1_ps(scale[r * groups]), acc[r]);
+            }
+        }
+    }
+}
+
 /* rows (at most TILE) x one block of 16 channels; always inlined with constant `rows`, `bits`. */
 static inline __attribute__((always_inline)) void block_tile(
     const uint8_t *w, int64_t groups, const int8_t *q, const float *scale, const float *scaled_sum,
-    int64_t k, int rows, int bits, const float *bias, float *y, int64_t n_out, int64_t col) {
+    const float *half_sum, int64_t k, int rows, int bits, const float *bias, float *y, int64_t n_out, int64_t col) {
     __m512 acc[TILE];
     for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
     const int64_t block_bytes = BLOCK_BYTES(bits);
+    __m512 d = _mm512_setzero_ps(), dmin = _mm512_setzero_ps(); /* a K layout's, for 8 groups */
     for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *blk = w + g * block_bytes;
+        const uint8_t *blk = GROUP_AT(w, g, bits);
         for (int line = 0; line < block_bytes; line += 64) { /* never faults, even past the end */
             if (rows < TILE) /* constant: block_tile is inlined for each row count */
                 _mm_prefetch((const char *)(blk + STREAM_AHEAD * block_bytes + line), STREAM_HINT);
@@ -133,12 +201,33 @@ static inline __attribute__((always_inline)) void block_tile(
         /* One row is bound by instructions, not by dot products: there the high nibbles
          * stay in place, summed apart (chains 1 and 3 take the odd vectors) and divided by
          * 16 at the end, exactly (a sum of multiples of 16; at most 16 x 15 x 127 x 16). */
-        const int high_times_16 = rows == 1 && bits == 4;
+        const int high_times_16 = rows == 1 && QBITS(bits) == 4;
         __m512i wv[8];
-        unpack_group(blk, bits, high_times_16, wv);
-        const uint8_t *scales = blk + block_bytes - SCALE_BYTES;
-        __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)scales));
-        __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + 32)));
+        unpack_group(blk, QBITS(bits), high_times_16, wv);
+        const uint8_t *scales = blk + Q_BYTES(bits);
+        __m512 s, mn; /* at K6, mn is the second half's scale */
+        if (bits & K_SCALES) {
+            if (g % K_GROUPS == 0) {
+                const uint8_t *head = blk - K_HEAD;
+                d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)head));
+                dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(head + 32)));
+            }
+            __m128i first = _mm_loadu_si128((const __m128i *)scales), second = _mm_loadu_si128((const __m128i *)(scales + 16));
+            if (bits == K6) {
+                s = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(first)));
+                mn = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(second)));
+            } else {
+                s = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(first)));
+                mn = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(second)));
+            }
+        } else {
+            s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)scales));
+            mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + 32)));
+        }
+        if (bits == K6) {
+            k6_group(wv, s, mn, q + g * GROUP, k, half_sum + 2 * g, scale + g, groups, rows, acc);
+            continue;
+        }
         /* Rows innermost: independent chains for the out-of-order core. With few rows one
          * chain of 8 dependent vpdpbusd per group would bound a core to ~20 GB/s, so each
          * row's sum is split over `chains` accumulators; integer addition is exact, so the
@@ -185,14 +274,16 @@ static inline __attribute__((always_inline)) void block_tile(
  * AVX-512 build's, lane for lane: the same numbers. */
 static inline __attribute__((always_inline)) void half_tile(
     const uint8_t *w, int64_t groups, const int8_t *q, const float *scale, const float *scaled_sum,
-    int64_t k, int rows, int bits, const float *bias, float *y, int64_t n_out, int64_t col, int half) {
+    const float *half_sum, int64_t k, int rows, int bits, const float *bias, float *y, int64_t n_out, int64_t col,
+    int half) {
     __m256 acc[TILE];
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     const int64_t block_bytes = BLOCK_BYTES(bits);
     const __m256i nibble = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30), ones = _mm256_set1_epi16(1);
-    const int per_sum = bits == 6 ? 2 : 8; /* vectors added in int16 before widening */
+    const int per_sum = QBITS(bits) == 6 ? 2 : 8; /* vectors added in int16 before widening */
+    __m256 d = _mm256_setzero_ps(), dmin = _mm256_setzero_ps(); /* a K layout's, for 8 groups */
     for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *blk = w + g * block_bytes;
+        const uint8_t *blk = GROUP_AT(w, g, bits);
         if (half == 0)
             for (int line = 0; line < block_bytes; line += 64)
                 _mm_prefetch((const char *)(blk + PREFETCH * block_bytes + line), _MM_HINT_T0);
@@ -202,7 +293,7 @@ static inline __attribute__((always_inline)) void half_tile(
             wv[2 * t] = _mm256_and_si256(packed, nibble);
             wv[2 * t + 1] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
         }
-        if (bits == 6) {
+        if (QBITS(bits) == 6) {
             for (int h = 0; h < 2; h++) {
                 __m256i high = _mm256_loadu_si256((const __m256i *)(blk + 256 + 64 * h + 32 * half));
                 wv[4 * h] = _mm256_or_si256(wv[4 * h], _mm256_and_si256(_mm256_slli_epi16(high, 4), top));
@@ -211,19 +302,46 @@ static inline __attribute__((always_inline)) void half_tile(
                 wv[4 * h + 3] = _mm256_or_si256(wv[4 * h + 3], _mm256_and_si256(_mm256_srli_epi16(high, 2), top));
             }
         }
-        const uint8_t *scales = blk + block_bytes - SCALE_BYTES + 16 * half;
+        const uint8_t *scales = blk + Q_BYTES(bits);
+        __m256 s, mn; /* at K6, mn is the second half's scale */
+        if (bits & K_SCALES) {
+            if (g % K_GROUPS == 0) {
+                const uint8_t *head = blk - K_HEAD;
+                d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(head + 16 * half)));
+                dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(head + 32 + 16 * half)));
+            }
+            __m128i first = _mm_loadl_epi64((const __m128i *)(scales + 8 * half));
+            __m128i second = _mm_loadl_epi64((const __m128i *)(scales + 16 + 8 * half));
+            if (bits == K6) {
+                s = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(first)));
+                mn = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(second)));
+            } else {
+                s = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(first)));
+                mn = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(second)));
+            }
+        } else {
+            s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + 16 * half)));
+            mn = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + 32 + 16 * half)));
+        }
         for (int r = 0; r < rows; r++) {
             const int32_t *xq = (const int32_t *)(q + r * k + g * GROUP);
-            __m256i sum = _mm256_setzero_si256();
+            __m256i sums[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}; /* K6: its halves apart */
             for (int c = 0; c < 8; c += per_sum) {
                 __m256i pairs = _mm256_maddubs_epi16(wv[c], _mm256_set1_epi32(xq[c]));
                 for (int j = 1; j < per_sum; j++)
                     pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(wv[c + j], _mm256_set1_epi32(xq[c + j])));
-                sum = _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, ones));
+                __m256i *sum = &sums[bits == K6 && c >= 4];
+                *sum = _mm256_add_epi32(*sum, _mm256_madd_epi16(pairs, ones));
             }
-            __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)scales));
-            __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + 32)));
-            __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(sum), s);
+            if (bits == K6) {
+                const float *halves = half_sum + 2 * (r * groups + g);
+                __m256 h0 = _mm256_sub_ps(_mm256_cvtepi32_ps(sums[0]), _mm256_set1_ps(32.0f * halves[0]));
+                __m256 h1 = _mm256_sub_ps(_mm256_cvtepi32_ps(sums[1]), _mm256_set1_ps(32.0f * halves[1]));
+                __m256 f = _mm256_fmadd_ps(h1, mn, _mm256_mul_ps(h0, s));
+                acc[r] = _mm256_fmadd_ps(f, _mm256_set1_ps(scale[r * groups + g]), acc[r]);
+                continue;
+            }
+            __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(sums[0]), s);
             acc[r] = _mm256_fmadd_ps(f, _mm256_set1_ps(scale[r * groups + g]), acc[r]);
             acc[r] = _mm256_fmadd_ps(mn, _mm256_set1_ps(scaled_sum[r * groups + g]), acc[r]);
         }
@@ -240,9 +358,9 @@ static inline __attribute__((always_inline)) void half_tile(
 
 static inline __attribute__((always_inline)) void block_tile(
     const uint8_t *w, int64_t groups, const int8_t *q, const float *scale, const float *scaled_sum,
-    int64_t k, int rows, int bits, const float *bias, float *y, int64_t n_out, int64_t col) {
-    half_tile(w, groups, q, scale, scaled_sum, k, rows, bits, bias, y, n_out, col, 0);
-    half_tile(w, groups, q, scale, scaled_sum, k, rows, bits, bias, y, n_out, col, 1);
+    const float *half_sum, int64_t k, int rows, int bits, const float *bias, float *y, int64_t n_out, int64_t col) {
+    half_tile(w, groups, q, scale, scaled_sum, half_sum, k, rows, bits, bias, y, n_out, col, 0);
+    half_tile(w, groups, q, scale, scaled_sum, half_sum, k, rows, bits, bias, y, n_out, col, 1);
 }
 
 #else
@@ -270,25 +388,55 @@ static void unpack_values(const uint8_t *blk, int bits, int16_t q[LANES][GROUP])
 
 static float from_half(uint16_t half);
 
+/* The fp16 value at `p`. */
+static float half_at(const uint8_t *p) {
+    uint16_t half;
+    memcpy(&half, p, sizeof half);
+    return from_half(half);
+}
+
+/* Group g's 2 x 16 scales as floats (scales, then minimums; at K6 the second half's scales):
+ * fp16, or a K layout's d (or -dmin) from its head times the group's integers, in fp32. */
+static void block_scales(const uint8_t *w, int64_t g, int bits, float s[2 * LANES]) {
+    const uint8_t *blk = GROUP_AT(w, g, bits), *scales = blk + Q_BYTES(bits);
+    if (!(bits & K_SCALES)) {
+        for (int c = 0; c < 2 * LANES; c++) s[c] = half_at(scales + 2 * c);
+        return;
+    }
+    const uint8_t *head = GROUP_AT(w, g - g % K_GROUPS, bits) - K_HEAD;
+    for (int c = 0; c < LANES; c++) {
+        int first = bits == K6 ? (int8_t)scales[c] : scales[c];
+        int second = bits == K6 ? (int8_t)scales[LANES + c] : scales[LANES + c];
+        s[c] = half_at(head + 2 * c) * (float)first;
+        s[LANES + c] = half_at(head + (bits == K6 ? 0 : 32) + 2 * c) * (float)second;
+    }
+}
+
 static void block_tile(const uint8_t *w, int64_t groups, const int8_t *q, const float *scale,
-                       const float *scaled_sum, int64_t k, int rows, int bits, const float *bias, float *y,
-                       int64_t n_out, int64_t col) {
+                       const float *scaled_sum, const float *half_sum, int64_t k, int rows, int bits,
+                       const float *bias, float *y, int64_t n_out, int64_t col) {
     float acc[TILE][LANES] = {{0}};
-    const int64_t block_bytes = BLOCK_BYTES(bits);
     for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *blk = w + g * block_bytes;
-        const uint16_t *scales = (const uint16_t *)(blk + block_bytes - SCALE_BYTES);
+        const uint8_t *blk = GROUP_AT(w, g, bits);
+        float s[2 * LANES]; /* scales, then minimums (at K6 the second half's scales) */
+        block_scales(w, g, bits, s);
         int16_t wq[LANES][GROUP]; /* channel c, input j */
-        unpack_values(blk, bits, wq);
+        unpack_values(blk, QBITS(bits), wq);
         for (int r = 0; r < rows; r++) {
             int16_t xq[GROUP];
             for (int j = 0; j < GROUP; j++) xq[j] = q[r * k + g * GROUP + j];
             for (int c = 0; c < LANES; c++) {
-                int32_t sum = 0;
-                for (int j = 0; j < GROUP; j++) sum += (int32_t)wq[c][j] * xq[j];
-                float f = (float)sum * from_half(scales[c]);
+                int32_t sums[2] = {0, 0};
+                for (int j = 0; j < GROUP; j++) sums[j >= GROUP / 2] += (int32_t)wq[c][j] * xq[j];
+                if (bits == K6) {
+                    const float *halves = half_sum + 2 * (r * groups + g);
+                    float h0 = (float)sums[0] - 32.0f * halves[0], h1 = (float)sums[1] - 32.0f * halves[1];
+                    acc[r][c] = fmaf(fmaf(h1, s[LANES + c], h0 * s[c]), scale[r * groups + g], acc[r][c]);
+                    continue;
+                }
+                float f = (float)(sums[0] + sums[1]) * s[c];
                 acc[r][c] = fmaf(f, scale[r * groups + g], acc[r][c]);
-                acc[r][c] = fmaf(from_half(scales[LANES + c]), scaled_sum[r * groups + g], acc[r][c]);
+                acc[r][c] = fmaf(s[LANES + c], scaled_sum[r * groups + g], acc[r][c]);
             }
         }
     }
@@ -302,64 +450,72 @@ static void block_tile(const uint8_t *w, int64_t groups, const int8_t *q, const 
 #define CAP(rows) ((rows) < TILE ? (rows) : TILE)
 #define BLOCK_ROWS(bits)                                                                            \
     static void block_rows_##bits(const uint8_t *w, int64_t groups, const int8_t *q, const float *scale, \
-                                  const float *scaled_sum, int64_t k, int rows, const float *bias,      \
-                                  float *y, int64_t n_out, int64_t col) {                               \
+                                  const float *scaled_sum, const float *half_sum, int64_t k, int rows,  \
+                                  const float *bias, float *y, int64_t n_out, int64_t col) {            \
         switch (rows) {                                                                                 \
-            case 1: block_tile(w, groups, q, scale, scaled_sum, k, 1, bits, bias, y, n_out, col); break; \
-            case 2: block_tile(w, groups, q, scale, scaled_sum, k, 2, bits, bias, y, n_out, col); break; \
-            case 3: block_tile(w, groups, q, scale, scaled_sum, k, 3, bits, bias, y, n_out, col); break; \
-            case 4: block_tile(w, groups, q, scale, scaled_sum, k, 4, bits, bias, y, n_out, col); break; \
-            case 5: block_tile(w, groups, q, scale, scaled_sum, k, CAP(5), bits, bias, y, n_out, col); break; \
-            case 6: block_tile(w, groups, q, scale, scaled_sum, k, CAP(6), bits, bias, y, n_out, col); break; \
-            case 7: block_tile(w, groups, q, scale, scaled_sum, k, CAP(7), bits, bias, y, n_out, col); break; \
-            default: block_tile(w, groups, q, scale, scaled_sum, k, TILE, bits, bias, y, n_out, col);    \
+            case 1: block_tile(w, groups, q, scale, scaled_sum, half_sum, k, 1, bits, bias, y, n_out, col); break; \
+            case 2: block_tile(w, groups, q, scale, scaled_sum, half_sum, k, 2, bits, bias, y, n_out, col); break; \
+            case 3: block_tile(w, groups, q, scale, scaled_sum, half_sum, k, 3, bits, bias, y, n_out, col); break; \
+            case 4: block_tile(w, groups, q, scale, scaled_sum, half_sum, k, 4, bits, bias, y, n_out, col); break; \
+            case 5: block_tile(w, groups, q, scale, scaled_sum, half_sum, k, CAP(5), bits, bias, y, n_out, col); break; \
+            case 6: block_tile(w, groups, q, scale, scaled_sum, half_sum, k, CAP(6), bits, bias, y, n_out, col); break; \
+            case 7: block_tile(w, groups, q, scale, scaled_sum, half_sum, k, CAP(7), bits, bias, y, n_out, col); break; \
+            default: block_tile(w, groups, q, scale, scaled_sum, half_sum, k, TILE, bits, bias, y, n_out, col);    \
         }                                                                                               \
     }
 BLOCK_ROWS(4)
 BLOCK_ROWS(6)
+BLOCK_ROWS(K4)
+BLOCK_ROWS(K6)
 #undef BLOCK_ROWS
 #undef CAP
 
 /* Blocks [first, last) of y [rows, n_out] from the rows' quantized activations: every row
  * tile reads a block's weights while they are in cache. */
 static void compute_blocks(const uint8_t *w, int bits, int64_t k, const int8_t *q, const float *scale,
-                           const float *scaled_sum, int64_t rows, const float *bias, float *y, int64_t n_out,
-                           int64_t first, int64_t last) {
+                           const float *scaled_sum, const float *half_sum, int64_t rows, const float *bias,
+                           float *y, int64_t n_out, int64_t first, int64_t last) {
     int64_t groups = k / GROUP;
     for (int64_t b = first; b < last; b++) {
-        const uint8_t *wb = w + b * groups * BLOCK_BYTES(bits);
+        const uint8_t *wb = w + b * BLOCK_STRIDE(bits, groups);
         for (int64_t r0 = 0; r0 < rows; r0 += TILE) {
             int tile_rows = rows - r0 < TILE ? (int)(rows - r0) : TILE;
-            if (bits == 6)
-                block_rows_6(wb, groups, q + r0 * k, scale + r0 * groups, scaled_sum + r0 * groups, k, tile_rows,
-                             bias, y + r0 * n_out, n_out, b * LANES);
-            else
-                block_rows_4(wb, groups, q + r0 * k, scale + r0 * groups, scaled_sum + r0 * groups, k, tile_rows,
-                             bias, y + r0 * n_out, n_out, b * LANES);
+            const int8_t *tq = q + r0 * k;
+            const float *ts = scale + r0 * groups, *tsum = scaled_sum + r0 * groups;
+            const float *thalf = half_sum ? half_sum + 2 * r0 * groups : NULL;
+            float *ty = y + r0 * n_out;
+            switch (bits) {
+                case 6: block_rows_6(wb, groups, tq, ts, tsum, thalf, k, tile_rows, bias, ty, n_out, b * LANES); break;
+                case K4: block_rows_K4(wb, groups, tq, ts, tsum, thalf, k, tile_rows, bias, ty, n_out, b * LANES); break;
+                case K6: block_rows_K6(wb, groups, tq, ts, tsum, thalf, k, tile_rows, bias, ty, n_out, b * LANES); break;
+                default: block_rows_4(wb, groups, tq, ts, tsum, thalf, k, tile_rows, bias, ty, n_out, b * LANES);
+            }
         }
     }
 }
 
 /* The same op on `threads` OpenMP threads, its activations quantized into q, scale, scaled_sum. */
 static void linear_openmp(const uint8_t *w, int bits, int64_t n_out, int64_t k, const float *x, int64_t rows,
-                          const float *bias, float *y, int threads, int8_t *q, float *scale, float *scaled_sum) {
+                          const float *bias, float *y, int threads, int8_t *q, float *scale, float *scaled_sum,
+                          float *half_sum) {
     int64_t groups = k / GROUP, blocks = (n_out + LANES - 1) / LANES;
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++)
-            quantize_row(x + r * k, k, q + r * k, scale + r * groups, scaled_sum + r * groups);
+            quantize_row(x + r * k, k, q + r * k, scale + r * groups, scaled_sum + r * groups,
+                         half_sum ? half_sum + 2 * r * groups : NULL);
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < blocks; b++)
-            compute_blocks(w, bits, k, q, scale, scaled_sum, rows, bias, y, n_out, b, b + 1);
+            compute_blocks(w, bits, k, q, scale, scaled_sum, half_sum, rows, bias, y, n_out, b, b + 1);
     }
 }
 
 /* Rows per shared op: the helper's staging holds this many rows of outputs (a prompt's
  * many rows go in pieces, each reading the weights again, which its dot products outweigh). */
 #define SHARE_ROWS 64
-enum { ARG_W, ARG_BIAS, ARG_Y, ARG_STAGING, ARG_STAGE_FLOATS, ARG_Q, ARG_SCALE, ARG_SUM, ARG_N_OUT, ARG_K,
-       ARG_ROWS, ARG_BITS, ARG_BLOCKS, ARG_CHUNK_BLOCKS, ARG_COUNT };
+enum { ARG_W, ARG_BIAS, ARG_Y, ARG_STAGING, ARG_STAGE_FLOATS, ARG_Q, ARG_SCALE, ARG_SUM, ARG_HALF, ARG_N_OUT,
+       ARG_K, ARG_ROWS, ARG_BITS, ARG_BLOCKS, ARG_CHUNK_BLOCKS, ARG_COUNT };
 _Static_assert(ARG_COUNT <= HELPER_WORDS, "a linear's arguments fit the helper's words");
 #define ARG(type, args, name) ((type)(uintptr_t)(args)[ARG_##name])
 
@@ -368,7 +524,7 @@ _Static_assert(ARG_COUNT <= HELPER_WORDS, "a linear's arguments fit the helper's
  * across calls, as a helper may still read them after an op. */
 static struct {
     int8_t *q;
-    float *scale, *scaled_sum, *staging;
+    float *scale, *scaled_sum, *half_sum, *staging;
     size_t q_bytes, groups, staging_floats;
 } shared;
 
@@ -378,16 +534,17 @@ static int reserve_shared(int64_t rows, int64_t k, int64_t n_out) {
     size_t staging = (size_t)(rows * n_out) * HELPER_THREADS;
     if (q_bytes <= shared.q_bytes && groups <= shared.groups && staging <= shared.staging_floats) return 0;
     helper_settle();  /* it may be reading the old ones */
-    free(shared.q), free(shared.scale), free(shared.scaled_sum), free(shared.staging);
+    free(shared.q), free(shared.scale), free(shared.scaled_sum), free(shared.half_sum), free(shared.staging);
     shared.q_bytes = q_bytes > shared.q_bytes ? q_bytes : shared.q_bytes;
     shared.groups = groups > shared.groups ? groups : shared.groups;
     shared.staging_floats = staging > shared.staging_floats ? staging : shared.staging_floats;
     shared.q = malloc(shared.q_bytes);
     shared.scale = malloc(sizeof(float) * shared.groups);
     shared.scaled_sum = malloc(sizeof(float) * shared.groups);
+    shared.half_sum = malloc(sizeof(float) * 2 * shared.groups);
     shared.staging = malloc(sizeof(float) * shared.staging_floats);
-    if (shared.q && shared.scale && shared.scaled_sum && shared.staging) return 0;
-    free(shared.q), free(shared.scale), free(shared.scaled_sum), free(shared.staging);
+    if (shared.q && shared.scale && shared.scaled_sum && shared.half_sum && shared.staging) return 0;
+    free(shared.q), free(shared.scale), free(shared.scaled_sum), free(shared.half_sum), free(shared.staging);
     shared = (typeof(shared)){0};
     return -1;
 }
@@ -409,7 +566,7 @@ static void run_chunk(const uint64_t *args, int64_t chunk, int helper) {
     chunk_blocks(args, chunk, &first, &last);
     compute_blocks(ARG(const uint8_t *, args, W), ARG(int, args, BITS), ARG(int64_t, args, K),
                    ARG(const int8_t *, args, Q), ARG(const float *, args, SCALE), ARG(const float *, args, SUM),
-                   ARG(int64_t, args, ROWS), ARG(const float *, args, BIAS),
+                   ARG(const float *, args, HALF), ARG(int64_t, args, ROWS), ARG(const float *, args, BIAS),
                    stage(args, helper), ARG(int64_t, args, N_OUT),
                    first, last);
 }
@@ -435,8 +592,10 @@ static int share_linear(const uint8_t *w, int bits, int64_t n_out, int64_t k, co
         return -1;
     }
     int64_t groups = k / GROUP, blocks = (n_out + LANES - 1) / LANES;
+    float *half_sum = bits == K6 ? shared.half_sum : NULL;
     for (int64_t r = 0; r < rows; r++)
-        quantize_row(x + r * k, k, shared.q + r * k, shared.scale + r * groups, shared.scaled_sum + r * groups);
+        quantize_row(x + r * k, k, shared.q + r * k, shared.scale + r * groups, shared.scaled_sum + r * groups,
+                     half_sum ? half_sum + 2 * r * groups : NULL);
     int64_t chunks = blocks < HELPER_CHUNKS ? blocks : HELPER_CHUNKS;
     int64_t size = (blocks + chunks - 1) / chunks;
     uint64_t args[HELPER_WORDS] = {
@@ -444,7 +603,7 @@ static int share_linear(const uint8_t *w, int bits, int64_t n_out, int64_t k, co
         /* Each helper's place is the same for every op: a late helper writes only into its own. */
         [ARG_STAGING] = (uintptr_t)shared.staging, [ARG_STAGE_FLOATS] = shared.staging_floats / HELPER_THREADS,
         [ARG_Q] = (uintptr_t)shared.q,
-        [ARG_SCALE] = (uintptr_t)shared.scale, [ARG_SUM] = (uintptr_t)shared.scaled_sum,
+        [ARG_SCALE] = (uintptr_t)shared.scale, [ARG_SUM] = (uintptr_t)shared.scaled_sum, [ARG_HALF] = (uintptr_t)half_sum,
         [ARG_N_OUT] = (uint64_t)n_out, [ARG_K] = (uint64_t)k, [ARG_ROWS] = (uint64_t)rows, [ARG_BITS] = (uint64_t)bits,
         [ARG_BLOCKS] = (uint64_t)blocks, [ARG_CHUNK_BLOCKS] = (uint64_t)size,
     };
@@ -453,13 +612,9 @@ static int share_linear(const uint8_t *w, int bits, int64_t n_out, int64_t k, co
     return 0;
 }
 
-/* y [rows, n_out] = x [rows, k] times the packed weights of `bits` (4 or 6), plus bias [n_out]
- * unless it is NULL (one float add, as `y += bias` would); 0, or -1 when out of memory (or
- * `bits` is neither). On one thread, shared with the helper when it is on: the weights and
- * bias may then be freed only after helper_settle (int4_cpu.py settles as a linear is freed). */
-int int4_linear(const uint8_t *w, int64_t n_out, int64_t k, const float *x, int64_t rows, const float *bias,
-                float *y, int threads, int bits) {
-    if (bits != 4 && bits != 6) return -1;
+/* int4_linear and int4_linear_repacked, for any layout. */
+static int linear(const uint8_t *w, int64_t n_out, int64_t k, const float *x, int64_t rows, const float *bias,
+                  float *y, int threads, int bits) {
     int64_t done = 0;
     while (threads == 1 && done < rows) {
         int64_t piece = rows - done < SHARE_ROWS ? rows - done : SHARE_ROWS;
@@ -473,13 +628,64 @@ int int4_linear(const uint8_t *w, int64_t n_out, int64_t k, const float *x, int6
     int8_t *q = malloc((size_t)(left * k));
     float *scale = malloc(sizeof(float) * (size_t)(left * groups));
     float *scaled_sum = malloc(sizeof(float) * (size_t)(left * groups));
-    if (!q || !scale || !scaled_sum) {
-        free(q), free(scale), free(scaled_sum);
+    float *half_sum = bits == K6 ? malloc(sizeof(float) * 2 * (size_t)(left * groups)) : NULL;
+    if (!q || !scale || !scaled_sum || (bits == K6 && !half_sum)) {
+        free(q), free(scale), free(scaled_sum), free(half_sum);
         return -1;
     }
-    linear_openmp(w, bits, n_out, k, x + done * k, left, bias, y + done * n_out, threads, q, scale, scaled_sum);
-    free(q), free(scale), free(scaled_sum);
+    linear_openmp(w, bits, n_out, k, x + done * k, left, bias, y + done * n_out, threads, q, scale, scaled_sum,
+                  half_sum);
+    free(q), free(scale), free(scaled_sum), free(half_sum);
     return 0;
+}
+
+/* y [rows, n_out] = x [rows, k] times the packed weights of `bits` (4 or 6), plus bias [n_out]
+ * unless it is NULL (one float add, as `y += bias` would); 0, or -1 when out of memory (or
+ * `bits` is neither). On one thread, shared with the helper when it is on: the weights and
+ * bias may then be freed only after helper_settle (int4_cpu.py settles as a linear is freed). */
+int int4_linear(const uint8_t *w, int64_t n_out, int64_t k, const float *x, int64_t rows, const float *bias,
+                float *y, int threads, int bits) {
+    if (bits != 4 && bits != 6) return -1;
+    return linear(w, n_out, k, x, rows, bias, y, threads, bits);
+}
+
+/* int4_linear over a repacked GGUF tensor (gguf_repack): `bits` 4 is Q4_K's layout K4, 6 is
+ * Q6_K's K6. The same rules and results otherwise. */
+int int4_linear_repacked(const uint8_t *w, int64_t n_out, int64_t k, const float *x, int64_t rows,
+                         const float *bias, float *y, int threads, int bits) {
+    if ((bits != 4 && bits != 6) || k % (K_GROUPS * GROUP)) return -1;
+    return linear(w, n_out, k, x, rows, bias, y, threads, bits | K_SCALES);
+}
+
+/* The bytes gguf_repack writes for an [n_out, k] tensor in layout K4 (`bits` 4) or K6 (6). */
+int64_t int4_repacked_bytes(int64_t n_out, int64_t k, int bits) {
+    int64_t blocks = (n_out + LANES - 1) / LANES, groups = k / GROUP;
+    return blocks * (bits == 6 ? BLOCK_STRIDE(K6, groups) : BLOCK_STRIDE(K4, groups));
+}
+
+/* Where gguf_repack writes into a K layout's block (bytes from its start): the head of group
+ * g's 8 groups, and group g; `bits` 4 for K4, 6 for K6. */
+int64_t int4_repacked_head(int64_t g, int bits) {
+    return (bits == 6 ? GROUP_AT(0, g, K6) : GROUP_AT(0, g, K4)) - K_HEAD;
+}
+int64_t int4_repacked_group(int64_t g, int bits) { return bits == 6 ? GROUP_AT(0, g, K6) : GROUP_AT(0, g, K4); }
+
+/* Channel c's q values of one group (0..15, or 0..63 at 6 bits) into a zeroed block, in the
+ * layout above: vector t, byte 4c + i holds input 8t + i low, 8t + 4 + i high; at 6 bits the
+ * top 2 bits of unpacked vector m = 2t + half sit in vector m / 4, bits 2 (m % 4). */
+void int4_place(uint8_t *blk, int bits, int c, const uint8_t q[GROUP]) {
+    for (int t = 0; t < 4; t++) {
+        for (int i = 0; i < 4; i++) {
+            uint8_t first = q[8 * t + i], second = q[8 * t + 4 + i];
+            blk[64 * t + 4 * c + i] = (uint8_t)((first & 0x0F) | ((second & 0x0F) << 4));
+            if (bits != 6) continue;
+            for (int half = 0; half < 2; half++) {
+                int m = 2 * t + half;
+                uint8_t top_bits = (uint8_t)(((half ? second : first) >> 4) & 3);
+                blk[256 + 64 * (m / 4) + 4 * c + i] |= (uint8_t)(top_bits << (2 * (m % 4)));
+            }
+        }
+    }
 }
 
 #ifdef V16_SCALAR
@@ -633,20 +839,7 @@ int int4_pack(const float *w, int64_t n_out, int64_t k, int bits, uint8_t *packe
             for (int i = 0; i < block_bytes; i++) blk[i] = 0;
             for (int c = 0; c < LANES && b * LANES + c < n_out; c++) {
                 unfit |= quantize_group(w + (b * LANES + c) * k + g * GROUP, top, q, &scales[c], &scales[LANES + c]);
-                /* Vector t, byte 4c + i: input 8t + i low, 8t + 4 + i high. At 6 bits the top
-                 * 2 bits of unpacked vector m = 2t + half sit in vector m / 4, bits 2 (m % 4). */
-                for (int t = 0; t < 4; t++) {
-                    for (int i = 0; i < 4; i++) {
-                        uint8_t first = q[8 * t + i], second = q[8 * t + 4 + i];
-                        blk[64 * t + 4 * c + i] = (uint8_t)((first & 0x0F) | ((second & 0x0F) << 4));
-                        if (bits != 6) continue;
-                        for (int half = 0; half < 2; half++) {
-                            int m = 2 * t + half;
-                            uint8_t top_bits = (uint8_t)(((half ? second : first) >> 4) & 3);
-                            blk[256 + 64 * (m / 4) + 4 * c + i] |= (uint8_t)(top_bits << (2 * (m % 4)));
-                        }
-                    }
-                }
+                int4_place(blk, bits, c, q);
             }
         }
     }
@@ -688,5 +881,5 @@ int int4_unpack(const uint8_t *packed, int64_t n_out, int64_t k, int bits, float
 /* The activations' quantization alone, as int4_linear does it to each row (for tests). */
 void int4_quantize_rows(const float *x, int64_t rows, int64_t k, int8_t *q, float *scale, float *scaled_sum) {
     for (int64_t r = 0; r < rows; r++)
-        quantize_row(x + r * k, k, q + r * k, scale + r * (k / GROUP), scaled_sum + r * (k / GROUP));
+        quantize_row(x + r * k, k, q + r * k, scale + r * (k / GROUP), scaled_sum + r * (k / GROUP), NULL);
 }

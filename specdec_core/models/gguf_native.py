@@ -4,8 +4,10 @@ The model is built from its config with empty weights; each linear then becomes 
 `GGUFLinear` over the file's mapped blocks (kernels/gguf_blocks.py), the embedding reads
 rows from the same blocks, and only the small F32 tensors (norms, biases) are copied.
 Nothing is de-quantized ahead of time and nothing is re-quantized, so the forward is
-the function of the file's weights de-quantized, up to summation order: activations stay
-fp32 (llama.cpp rounds them to 8 bits first; `GGUFLinear(activations="q8")` does the same).
+the function of the file's weights de-quantized, up to summation order and the rounding of
+the activations: Q4_K and Q6_K tensors are repacked losslessly for the int4 kernel, whose
+rows are int8 per 32 inputs (finer than llama.cpp's Q8_K, one scale per 256), and every
+other type keeps fp32 rows (`_activations`).
 
 Families whose GGUF tensors map onto transformers' modules name by name are listed in
 `ARCHITECTURES`; llama.cpp stores a Llama's q/k rows in its own rotary order, which
@@ -24,7 +26,16 @@ import torch
 from torch import nn
 
 from ..errors import ModelLoadError
-from ..kernels.gguf_blocks import FALLBACK, GGUFLinear, UnsupportedBlockType, block_type
+from ..kernels.gguf_blocks import F32 as F32_ROWS
+from ..kernels.gguf_blocks import (
+    FALLBACK,
+    I8,
+    GGUFLinear,
+    UnsupportedBlockType,
+    block_type,
+    kernels_run,
+    repacks,
+)
 from .gguf_file import GGUFFile
 
 F32 = 0
@@ -32,7 +43,8 @@ ARCHITECTURES = ("qwen2", "llama")
 # The block types whose kernels read a step's weights at about the pace of the re-quantized
 # int4 path: `auto` runs a file as stored only when all its quantized tensors are of these
 # (docs/models.md#fidelity); `--precision gguf` runs any supported type.
-FAST_TYPES: frozenset[int] = frozenset({F32})
+Q4_K, Q6_K = 12, 14
+FAST_TYPES: frozenset[int] = frozenset({F32, Q4_K, Q6_K})
 _LAYER_TENSORS = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
@@ -80,7 +92,10 @@ def refusal(file: GGUFFile) -> str | None:
 
 
 def runs_fast(file: GGUFFile) -> bool:
-    return all(info.qtype in FAST_TYPES for info in file.tensors.values())
+    """Every tensor of a type in FAST_TYPES, and any quantized ones run by the kernels, not
+    by the fallback (which de-quantizes on every call)."""
+    quantized = {info.qtype for info in file.tensors.values()} - {F32}
+    return quantized <= FAST_TYPES and (not quantized or kernels_run())
 
 
 def fidelity(file: GGUFFile, model: nn.Module) -> str:
@@ -166,8 +181,15 @@ def _linear(file: GGUFFile, name: str, order: np.ndarray | None) -> GGUFLinear:
     if order is not None:  # a copy of these rows only, each row's blocks unchanged
         blocks = np.ascontiguousarray(blocks[order])
         bias = bias[torch.from_numpy(order)] if bias is not None else None
-    # fp32 activations: the answer carries the file's rounding and no other
-    return GGUFLinear(info.qtype, blocks, info.dims[0], int(np.prod(info.dims[1:])), bias, activations="f32")
+    in_features, out_features = info.dims[0], int(np.prod(info.dims[1:]))
+    return GGUFLinear(info.qtype, blocks, in_features, out_features, bias, activations=_activations(info.qtype))
+
+
+def _activations(qtype: int) -> str:
+    """Int8 rows per 32 inputs where the int4 kernel runs the type repacked: its pace, and
+    rounding finer than llama.cpp's for these types. Elsewhere fp32 rows: the answer then
+    carries the file's rounding and no other."""
+    return I8 if repacks(qtype) else F32_ROWS
 
 
 def _set_weight(module: nn.Module, values: np.ndarray) -> None:

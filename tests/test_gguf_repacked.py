@@ -1,0 +1,173 @@
+"""Q4_K and Q6_K repacked for our int4 kernel (GGUFLinear's "i8" mode: gguf_cpu.c's gguf_repack,
+int4_cpu.c's int4_linear_repacked): the file's weights exactly (the gguf package's dequantized
+matrix) times rows quantized to int8 per 32 inputs, up to the order of the float sums; bitwise
+the same for a row in any batch, at any thread count, in any build."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf import quants as gguf_quants
+
+from specdec_core.kernels import cpu, native
+from specdec_core.kernels.gguf_blocks import I8, REPACKED_BITS, GGUFLinear
+from tests.test_gguf_blocks import _stored_blocks
+from tests.test_gguf_int import _integer_weights
+
+needs_kernel = pytest.mark.skipif(native.unavailable() is not None, reason=str(native.unavailable()))
+
+Q = GGMLQuantizationType
+REPACKED = tuple(REPACKED_BITS)
+
+
+def _linear(qtype: GGMLQuantizationType, out_features: int = 37, seed: int = 0, bias: bool = True) -> GGUFLinear:
+    """37 outputs: a block of 16 channels only partly filled; 512 inputs: two K-quant blocks."""
+    generator = torch.Generator().manual_seed(seed)
+    return GGUFLinear(
+        qtype, _stored_blocks(qtype, out_features, 512, seed), 512, out_features,
+        torch.randn(out_features, generator=generator) if bias else None, activations=I8,
+    )  # fmt: skip
+
+
+def _int8_rows(x: np.ndarray) -> np.ndarray:
+    """int4_cpu.c's activation rounding, written out: per 32 inputs a = max |x| / 127 in fp32,
+    q = x / a rounded half to even; the rows as a * q, in float64."""
+    groups = x.astype(np.float32).reshape(len(x), -1, 32)
+    a = (np.abs(groups).max(axis=-1, keepdims=True) / np.float32(127)).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(a > 0, np.rint((groups / a).astype(np.float32)), 0)
+    return (q.astype(np.float64) * a.astype(np.float64)).reshape(x.shape)
+
+
+def _term_magnitudes(linear: GGUFLinear) -> np.ndarray:
+    """|each term the kernel sums| per weight: |scale * q| + |minimum| for Q4_K (the two are
+    summed apart), |w| for Q6_K (its q - 32 is formed exactly before any rounding)."""
+    stored = linear.blocks.reshape(linear.out_features, -1)
+    if linear.qtype == Q.Q6_K:
+        return np.abs(gguf_quants.dequantize(stored, linear.qtype).astype(np.float64))
+    w = _integer_weights(linear.qtype, stored)
+    scale = np.repeat(np.abs(w["d"][..., None] * w["sc"]), 32, -1)
+    minimum = np.repeat(np.abs(w["dmin"][..., None] * w["mins"]), 32, -1)
+    return (scale * w["q"] + minimum).reshape(linear.out_features, -1)
+
+
+def _assert_is_the_files_matrix_times_int8_rows(linear: GGUFLinear, x: torch.Tensor, y: torch.Tensor) -> None:
+    weight = gguf_quants.dequantize(linear.blocks.reshape(linear.out_features, -1), linear.qtype)
+    rows = _int8_rows(x.numpy())
+    bias = np.zeros(linear.out_features) if linear.bias is None else linear.bias.double().numpy()
+    want = rows @ weight.astype(np.float64).T + bias
+    scale = np.abs(rows) @ _term_magnitudes(linear).T + np.abs(bias)
+    roundings = 4 * (linear.in_features // 32 + 4)  # a few per group's terms, then the bias, with room
+    assert np.all(np.abs(y.double().numpy() - want) <= roundings * 2.0**-24 * scale)
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", REPACKED, ids=lambda qtype: qtype.name)
+def test_the_repacked_kernel_multiplies_the_files_weights_by_int8_rows(qtype: GGMLQuantizationType) -> None:
+    linear = _linear(qtype)
+    x = torch.randn(9, linear.in_features, generator=torch.Generator().manual_seed(1))
+    x[0, :32] = torch.tensor([127.0, -2.5, 0.5, 1.5] * 8)  # exact halves: rounded to even
+    x[1, 32:64] = 0.0  # a group of zeros
+    _assert_is_the_files_matrix_times_int8_rows(linear, x, linear(x))
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", REPACKED, ids=lambda qtype: qtype.name)
+def test_every_row_count_of_a_tile_and_no_bias_compute_the_same_function(qtype: GGMLQuantizationType) -> None:
+    linear = _linear(qtype, out_features=70, seed=3, bias=False)
+    x = torch.randn(17, linear.in_features, generator=torch.Generator().manual_seed(4))
+    for rows in range(1, 10):  # each of the kernel's tile sizes, and a full tile and one more
+        _assert_is_the_files_matrix_times_int8_rows(linear, x[:rows], linear(x[:rows]))
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", REPACKED, ids=lambda qtype: qtype.name)
+def test_a_repacked_rows_result_is_bitwise_the_same_in_any_batch_and_at_any_thread_count(
+    qtype: GGMLQuantizationType,
+) -> None:
+    linear = _linear(qtype)
+    x = torch.randn(40, linear.in_features, generator=torch.Generator().manual_seed(2))  # past a 64-row piece
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat([linear(row) for row in x.split(1)])
+        for thread_count in (1, 2):
+            torch.set_num_threads(thread_count)
+            for rows in (1, 3, 12, 17, 40):
+                assert torch.equal(linear(x[:rows]), alone[:rows]), (thread_count, rows)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_kernel
+def test_every_build_this_cpu_runs_computes_the_same_repacked_bits(monkeypatch, tmp_path) -> None:
+    builds = [isa.name for isa in cpu.runnable()]
+    if len(builds) < 2:
+        pytest.skip(f"this CPU runs only the {builds[0]} build")
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))
+    x = torch.randn(11, 512, generator=torch.Generator().manual_seed(3))
+    outputs = []
+    for name in builds:
+        monkeypatch.setenv(cpu.ISA_ENV, name)
+        native._load.cache_clear()
+        linears = [_linear(qtype) for qtype in REPACKED]  # repacked by this build too
+        outputs.append([linear(x[:rows]) for linear in linears for rows in (1, 11)])
+    native._load.cache_clear()
+    for name, other in zip(builds[1:], outputs[1:], strict=True):
+        for i, (first, this) in enumerate(zip(outputs[0], other, strict=True)):
+            assert torch.equal(first, this), (builds[0], name, i)
+
+
+@needs_kernel
+def test_the_repacked_mode_says_what_it_does_and_keeps_the_files_blocks() -> None:
+    linear = _linear(Q.Q4_K)
+    assert linear.fidelity == "as stored, activations int8 per 32 inputs (finer than llama.cpp's Q8_K)"
+    assert "activations=i8" in repr(linear)
+    stored = _stored_blocks(Q.Q4_K, 37, 512, 0).reshape(-1)
+    assert np.array_equal(linear.blocks, stored)  # the file's bytes, read and left as they were
+    assert np.array_equal(
+        linear.dense_weight().numpy(), gguf_quants.dequantize(stored.reshape(37, -1), Q.Q4_K)
+    )
+
+
+def test_the_repacked_mode_elsewhere_is_refused_in_one_line(monkeypatch) -> None:
+    with pytest.raises(ValueError, match="cannot run on Q5_K here: only Q4_K, Q6_K repack"):
+        GGUFLinear(Q.Q5_K, _stored_blocks(Q.Q5_K, 2, 256), 256, 2, activations=I8)
+    monkeypatch.setattr(native, "unavailable", lambda: "no C compiler (cc, gcc)")
+    with pytest.raises(ValueError, match="cannot run on Q4_K here: no C compiler"):
+        _linear(Q.Q4_K)
+
+
+@needs_kernel
+def test_a_copy_of_a_repacked_linear_computes_the_same_bits() -> None:
+    import copy
+
+    linear = _linear(Q.Q6_K)
+    x = torch.randn(3, linear.in_features, generator=torch.Generator().manual_seed(5))
+    twin = copy.deepcopy(linear)
+    assert twin.packed is not None and twin.packed.ctypes.data != linear.packed.ctypes.data
+    del linear
+    assert torch.equal(twin(x), _linear(Q.Q6_K)(x))
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", REPACKED, ids=lambda qtype: qtype.name)
+def test_a_repacked_linear_shared_with_the_helpers_gives_bitwise_its_one_thread_numbers(
+    qtype: GGMLQuantizationType,
+) -> None:
+    linear = _linear(qtype, out_features=1100, seed=6)  # more blocks of 16 than an op has chunks (64)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        for rows in (1, 5, 9):
+            x = torch.randn(rows, linear.in_features, generator=torch.Generator().manual_seed(rows))
+            native.share_spare_core(False)
+            alone = linear(x)
+            native.share_spare_core(True)
+            for _ in range(5):
+                assert torch.equal(linear(x), alone), rows
+    finally:
+        native.share_spare_core(False)
+        torch.set_num_threads(threads)
