@@ -101,7 +101,10 @@ def runs_fast(file: GGUFFile) -> bool:
 def fidelity(file: GGUFFile, model: nn.Module) -> str:
     """The fidelity label of a model built from `file`: as stored, and how its kernels run."""
     label = f"as stored ({file.file_type or 'GGUF'})"
-    fallbacks = [m for m in model.modules() if isinstance(m, GGUFLinear) and m.path == FALLBACK]
+    linears = [m for m in model.modules() if isinstance(m, GGUFLinear)]
+    if any(m.activations == "i8" for m in linears):  # the weights as stored, the rows rounded
+        label += ", activations int8 per 32 inputs"
+    fallbacks = [m for m in linears if m.path == FALLBACK]
     return label + (f", {len(fallbacks)} linears de-quantized per call ({fallbacks[0].fallback_reason})" if fallbacks else "")
 
 
