@@ -9,6 +9,7 @@ from the page cache when a forward touches them, never copied.
 
 from __future__ import annotations
 
+import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,6 +73,21 @@ class GGUFFile:
             raise ModelLoadError(f"{self.path.name}: tensor {name} runs past the end of the file (truncated?)")
         return data.reshape(rows, row_bytes) if len(info.dims) > 1 else data
 
+    def drop_pages(self, name: str) -> None:
+        """Let the process's resident memory drop the tensor's pages (a copy now holds its
+        values): they stay in the page cache, and are read again if the tensor is touched."""
+        advise = getattr(mmap, "MADV_DONTNEED", None)
+        buffer = self.mapping.base
+        buffer = buffer.obj if isinstance(buffer, memoryview) else buffer  # np.frombuffer's view of the map
+        if advise is None or not isinstance(buffer, mmap.mmap):
+            return
+        raw = self.raw(name)
+        start = self.data_start + self.tensors[name].offset
+        first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages inside the tensor only
+        last = (start + raw.size) // mmap.PAGESIZE * mmap.PAGESIZE
+        if last > first:
+            buffer.madvise(advise, first, last - first)
+
     def floats(self, name: str) -> np.ndarray:
         """An F32 tensor's values (norm weights, biases), as a view of the file."""
         info = self.tensors[name]
@@ -83,7 +99,9 @@ class GGUFFile:
 def read_gguf(path: Path) -> GGUFFile:
     """The header and tensor table of `path`; one line if it is not a well-formed GGUF file."""
     try:
-        mapping = np.memmap(path, dtype=np.uint8, mode="r")
+        with open(path, "rb") as handle:
+            mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+        mapping = np.frombuffer(mapped, dtype=np.uint8)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot read {path.name}: {exc}") from None
     try:

@@ -185,7 +185,10 @@ def _linear(file: GGUFFile, name: str, order: np.ndarray | None) -> GGUFLinear:
         blocks = np.ascontiguousarray(blocks[order])
         bias = bias[torch.from_numpy(order)] if bias is not None else None
     in_features, out_features = info.dims[0], int(np.prod(info.dims[1:]))
-    return GGUFLinear(info.qtype, blocks, in_features, out_features, bias, activations=_activations(info.qtype))
+    linear = GGUFLinear(info.qtype, blocks, in_features, out_features, bias, activations=_activations(info.qtype))
+    if linear.packed is not None:
+        file.drop_pages(name)  # the repacked copy is what runs: the file's pages need not stay resident
+    return linear
 
 
 def _activations(qtype: int) -> str:
