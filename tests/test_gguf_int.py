@@ -10,6 +10,7 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
+from rowwise import assert_rows_bitwise_the_same
 
 from specdec_core.kernels import cpu, gguf_blocks, native
 from specdec_core.kernels.gguf_blocks import F32, Q8, GGUFLinear
@@ -218,16 +219,7 @@ def test_a_q8_rows_result_is_bitwise_the_same_in_any_batch_and_at_any_thread_cou
 ) -> None:
     linear = _linear(qtype)
     x = torch.randn(40, linear.in_features, generator=torch.Generator().manual_seed(2))  # past 32 rows too
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        alone = torch.cat([linear(row) for row in x.split(1)])
-        for thread_count in (1, 2):
-            torch.set_num_threads(thread_count)
-            for rows in (1, 3, 12, 17, 40):
-                assert torch.equal(linear(x[:rows]), alone[:rows]), (thread_count, rows)
-    finally:
-        torch.set_num_threads(threads)
+    assert_rows_bitwise_the_same(linear, x)
 
 
 @needs_kernel
