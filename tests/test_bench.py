@@ -441,3 +441,18 @@ def test_the_machine_line_names_the_kernels_build_and_old_results_still_render()
     assert "C kernels for avx2" in machine_line(machine)
     del machine["cpu_kernels"]  # a result file written before the key existed
     assert "C kernels" not in machine_line(machine)
+
+
+@pytest.mark.parametrize(
+    ("methods", "message"),
+    [("ours-auto", "must include 'target'"), ("target,ours-fast", "unknown method(s) ours-fast")],
+)
+def test_a_bad_method_list_is_refused_before_any_model_loads(monkeypatch, capsys, methods, message):
+    from specdec_core.models import loading
+
+    def must_not_load(*args, **kwargs):
+        raise AssertionError("a model was loaded before the methods were checked")
+
+    monkeypatch.setattr(loading, "load_model", must_not_load)
+    assert main(["bench", "--methods", methods, "--limit", "1"]) == 2
+    assert message in capsys.readouterr().err

@@ -24,6 +24,7 @@ from ..progress import Progress, TerminalProgress
 from .bench import (
     ALL_METHODS,
     AUTO_DRAFTER,
+    BASELINE,
     PEER_METHODS,
     BenchProgress,
     BenchPrompt,
@@ -327,7 +328,13 @@ def _command_line(args: argparse.Namespace) -> str:
 
 
 def _method_names(spec: str, draft_spec: str) -> list[str]:
+    """The methods asked for, checked before any model loads."""
     names = [m.strip() for m in spec.split(",") if m.strip()]
+    unknown = sorted(set(names) - set(ALL_METHODS))
+    if unknown:
+        raise SpecdecError(f"unknown method(s) {', '.join(unknown)}: choose from {', '.join(ALL_METHODS)}")
+    if BASELINE not in names:
+        raise SpecdecError(f"the methods must include {BASELINE!r}: it is the reference output and speed")
     if draft_spec in ("ngram", "none"):
         # No draft model: the methods that need one are dropped (asked for explicitly: an error).
         asked = [m for m in names if needs_draft_model(m)]
