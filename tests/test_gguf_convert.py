@@ -283,3 +283,31 @@ def test_a_real_gguf_converts_to_a_plain_folder_with_identical_weights_and_greed
 
     monkeypatch.setattr(conversion_process, "convert_in_child", must_not_convert)
     assert resolve_model_ref(str(tiny_gguf)) == folder
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_the_metadata_folder_holds_what_transformers_reads_from_the_whole_file(tmp_path, arch):
+    from transformers import AutoConfig, AutoTokenizer
+
+    from specdec_core.models.gguf_to_hf import write_metadata
+
+    path = write_tiny_llama_gguf(tmp_path / f"tiny-{arch}.gguf", arch=arch)
+    theirs = tmp_path / "theirs"  # transformers' own reading of the file, saved
+    AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(theirs)
+    AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(theirs)
+    ours = tmp_path / "ours"
+    write_metadata(path, ours)
+
+    def config(folder: Path) -> dict:
+        values = json.loads((folder / "config.json").read_text())
+        return {k: v for k, v in values.items() if k not in ("quantization_config", "transformers_version")}
+
+    assert config(ours) == config(theirs) and config(ours)["model_type"] == arch
+    mine, reference = AutoTokenizer.from_pretrained(ours), AutoTokenizer.from_pretrained(theirs)
+    text = "def is_prime(n): return n > 1 <|im_start|>hello  world<|im_end|>\n\n x"
+    assert type(mine) is type(reference)
+    assert mine(text)["input_ids"] == reference(text)["input_ids"]
+    assert mine.chat_template == reference.chat_template
+    assert (mine.bos_token, mine.eos_token, mine.pad_token) == (
+        reference.bos_token, reference.eos_token, reference.pad_token,
+    )  # fmt: skip

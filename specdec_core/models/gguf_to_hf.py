@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from ..errors import ModelLoadError
 from .chat import stop_tokens
+from .gguf_file import GGUFFile, read_gguf
 
 
 def convert_with_transformers(
@@ -55,8 +57,12 @@ def write_metadata(gguf_path: Path, out_dir: Path) -> None:
 
     folder, name = str(gguf_path.parent), gguf_path.name
     try:
-        config = AutoConfig.from_pretrained(folder, gguf_file=name, trust_remote_code=False)
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, trust_remote_code=False)
+        config = config_from_header(read_gguf(gguf_path))
+        if config is None:
+            config = AutoConfig.from_pretrained(folder, gguf_file=name, trust_remote_code=False)
+        tokenizer = AutoTokenizer.from_pretrained(
+            folder, gguf_file=name, trust_remote_code=False, **_tokenizer_type(config)
+        )
     except (ValueError, KeyError, OSError) as error:
         raise ModelLoadError(f"cannot read {gguf_path.name}: {str(error).splitlines()[0]}") from None
     if hasattr(config, "quantization_config"):
@@ -64,6 +70,62 @@ def write_metadata(gguf_path: Path, out_dir: Path) -> None:
     config.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     _plain_generation_config(tokenizer).save_pretrained(out_dir)
+
+
+# llama.cpp's metadata keys (after "<arch>.") and the config fields transformers makes of
+# them, for the families run as stored (gguf_native.ARCHITECTURES). They are the renames of
+# transformers' own GGUF reader, which reads every array of the header (the vocabulary:
+# hundreds of thousands of strings) to build a config; tests compare the two configs.
+_CONFIG_KEYS = {
+    "context_length": "max_position_embeddings",
+    "block_count": "num_hidden_layers",
+    "feed_forward_length": "intermediate_size",
+    "embedding_length": "hidden_size",
+    "rope.freq_base": "rope_theta",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "vocab_size": "vocab_size",
+}
+_TOKEN_KEYS = {
+    "bos_token_id": "bos_token_id",
+    "eos_token_id": "eos_token_id",
+    "padding_token_id": "pad_token_id",
+}
+
+
+def config_from_header(file: GGUFFile) -> Any | None:
+    """The transformers config of a Qwen2 or Llama GGUF, from its header alone; None for any
+    other family (or a Llama that transformers reads as a Mistral), left to transformers."""
+    from transformers import AutoConfig
+
+    arch = file.architecture
+    name = file.fields.get("general.name")
+    if arch not in ("qwen2", "llama") or name == "mistral":
+        return None
+    keys = dict(_CONFIG_KEYS)
+    if arch == "llama":  # a Qwen2's head size follows from its width and head count
+        keys["rope.dimension_count"] = "head_dim"
+    values = {
+        field: file.fields[f"{arch}.{key}"] for key, field in keys.items() if f"{arch}.{key}" in file.fields
+    }
+    for key, field in _TOKEN_KEYS.items():
+        if f"tokenizer.ggml.{key}" in file.fields:
+            values[field] = file.fields[f"tokenizer.ggml.{key}"]
+    if "vocab_size" not in values:
+        values["vocab_size"] = file.array_lengths.get("tokenizer.ggml.tokens")
+    if name is not None:
+        values["_model_name_or_path"] = name
+    tied = "output.weight" not in file.tensors
+    return AutoConfig.for_model(arch, tie_word_embeddings=tied, **values)
+
+
+def _tokenizer_type(config: Any) -> dict[str, str]:
+    """Where transformers registers a tokenizer for the family, naming it keeps AutoTokenizer
+    from reading the whole file once more for a config it has already."""
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
+
+    return {"tokenizer_type": config.model_type} if config.model_type in TOKENIZER_MAPPING_NAMES else {}
 
 
 def _drop_gguf_quantizer(model) -> None:
