@@ -12,7 +12,7 @@ import torch
 
 from specdec_core.engine.fidelity import chunk_ids, measure
 from specdec_core.tools import cli
-from specdec_core.tools.cli_eval import parse_llama_perplexity
+from specdec_core.tools.cli_eval import llama_cpp_fidelity, parse_llama_kl, parse_llama_perplexity
 
 CTX = 16
 
@@ -101,3 +101,44 @@ def test_llama_perplexity_final_estimate_is_read_from_its_output():
     output = "[1]4.1234,[2]3.9876,\nFinal estimate: PPL = 3.2420 +/- 0.05123\n"
     assert parse_llama_perplexity(output) == 3.2420
     assert parse_llama_perplexity("main: error: failed to load model\n") is None
+
+
+LLAMA_KL_OUTPUT = """\
+====== Perplexity statistics ======
+Mean PPL(Q)                   :   2.800100 ±   0.051230
+Mean PPL(base)                :   2.794000 ±   0.050990
+Cor(ln(PPL(Q)), ln(PPL(base))):  99.95%
+Mean PPL(Q)/PPL(base)         :   1.002183 ±   0.000750
+
+====== KL divergence statistics ======
+Mean    KLD:   0.000712 ±   0.000031
+Maximum KLD:   0.051200
+99.9%   KLD:   0.020100
+99.0%   KLD:   0.008800
+95.0%   KLD:   0.002900
+
+====== Token probability statistics ======
+Same top p: 99.216 ± 0.225 %
+"""
+
+
+def test_llama_kl_statistics_are_read_by_the_names_fidelity_uses():
+    values = parse_llama_kl(LLAMA_KL_OUTPUT)
+    assert values is not None
+    assert values["perplexity"] == 2.8001 and values["reference_perplexity"] == 2.794
+    assert values["kl_mean"] == 0.000712 and values["kl_p99"] == 0.0088  # not the 99.9% line
+    assert values["top1_agreement"] == pytest.approx(0.99216)
+    assert values["perplexity_change"] == pytest.approx(2.8001 / 2.794 - 1)
+    assert parse_llama_kl(LLAMA_KL_OUTPUT.replace("Mean    KLD", "Mean KLD?")) is None
+
+
+def test_llama_cpp_without_llama_quantize_reports_perplexity_and_why_kl_is_missing(tmp_path):
+    import argparse
+    import stat
+
+    fake = tmp_path / "llama-perplexity"  # a stand-in printing the real tool's final line
+    fake.write_text("#!/bin/sh\necho 'Final estimate: PPL = 3.2420 +/- 0.05123'\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    args = argparse.Namespace(ctx=512, chunks=0)
+    result = llama_cpp_fidelity(str(fake), tmp_path / "m.gguf", tmp_path / "t.txt", args)
+    assert result["perplexity"] == 3.242 and "llama-quantize" in result["kl"]

@@ -12,8 +12,9 @@ from gguf import GGMLQuantizationType
 from gguf import quants as gguf_quants
 from rowwise import assert_rows_bitwise_the_same
 
-from specdec_core.kernels import cpu, native
+from specdec_core.kernels import cpu, huge_pages, native
 from specdec_core.kernels.gguf_blocks import I8, REPACKED_BITS, GGUFLinear
+from specdec_core.kernels.huge_pages import HUGE_PAGE, place_in_huge_pages
 from tests.test_gguf_blocks import _stored_blocks
 from tests.test_gguf_int import _integer_weights
 
@@ -163,3 +164,16 @@ def test_a_repacked_linear_shared_with_the_helpers_gives_bitwise_its_one_thread_
     finally:
         native.share_spare_core(False)
         torch.set_num_threads(threads)
+
+
+@needs_kernel
+@pytest.mark.skipif(not huge_pages.available(), reason="this OS has no madvise(MADV_HUGEPAGE)")
+@pytest.mark.parametrize("qtype", REPACKED)
+def test_repacked_weights_moved_into_huge_pages_give_bitwise_the_same_rows(qtype: GGMLQuantizationType) -> None:
+    linears = [_linear(qtype, seed=seed) for seed in (0, 1)]
+    x = torch.randn(5, linears[0].in_features, generator=torch.Generator().manual_seed(2))
+    before = [linear(x) for linear in linears]
+    moved = place_in_huge_pages(linears)
+    starts = [linear.packed.ctypes.data for linear in linears]
+    assert moved > 0 and starts[0] % HUGE_PAGE == 0 and all(isinstance(m.packed, np.ndarray) for m in linears)
+    assert all(torch.equal(linear(x), y) for linear, y in zip(linears, before, strict=True))

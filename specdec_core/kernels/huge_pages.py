@@ -21,6 +21,7 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -37,24 +38,36 @@ def available() -> bool:
 
 
 def place_in_huge_pages(modules: Iterable[nn.Module]) -> int:
-    """Move the packed weights of the 4/6-bit linears among `modules` into huge pages; bytes moved."""
-    linears = [m for m in modules if isinstance(m, Int4Linear)]
+    """Move the packed weights of the 4/6-bit linears among `modules` into huge pages; bytes moved.
+
+    Those are int4_cpu's linears and GGUF linears repacked for its kernel (gguf_blocks), whose
+    `packed` is a numpy array: it is placed the same way and stays a numpy array."""
+    linears = [(m, packed) for m in modules if (packed := _packed(m)) is not None]
     if not linears or not available():
         return 0
-    sizes = [_rounded(linear.packed.numel()) for linear in linears]
+    sizes = [_rounded(packed.nbytes) for _, packed in linears]
     try:
         arena = buffer(sum(sizes))
     except OSError:  # no room for the mapping, or the kernel refuses the advice: stay where they are
         return 0
     offset = 0
-    for linear, size in zip(linears, sizes, strict=True):
-        packed = linear.packed
-        placed = arena[offset : offset + packed.numel()].view(packed.shape)
-        placed.copy_(packed)
+    for (linear, packed), size in zip(linears, sizes, strict=True):
+        placed = arena[offset : offset + packed.nbytes].numpy()
+        placed[:] = packed.reshape(-1).view(np.uint8)
         native.settle_helper()  # the kernel's helper may still read the old buffer (helper_cpu.c)
-        linear.packed = placed  # the old buffer is freed here: one module's copy at a time
+        # The old buffer is freed here: one module's copy at a time.
+        moved = placed.view(packed.dtype).reshape(packed.shape)
+        setattr(linear, "packed", torch.from_numpy(moved) if isinstance(linear, Int4Linear) else moved)  # noqa: B010
         offset += size
     return offset
+
+
+def _packed(module: nn.Module) -> np.ndarray | None:
+    """The module's packed 4/6-bit weights as a numpy view of the same memory, if it has any."""
+    packed = getattr(module, "packed", None)
+    if isinstance(module, Int4Linear) and isinstance(packed, torch.Tensor):
+        return packed.numpy()
+    return packed if isinstance(packed, np.ndarray) else None
 
 
 def granted_bytes() -> int | None:

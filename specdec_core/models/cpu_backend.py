@@ -46,6 +46,14 @@ def prepare_for_cpu(model: Any, precision: str) -> None:
         _return_freed_memory()
 
 
+def prepare_as_stored(model: Any) -> None:
+    """What loading makes of a GGUF run from its blocks (gguf_native), in place: the weights
+    repacked for the 4-bit kernel in 2 MB pages, and attention row-wise (the block kernels
+    are row-wise already)."""
+    place_in_huge_pages(model.modules())
+    make_batch_invariant(model)
+
+
 def copy_out_of_checkpoint_file(model: Any) -> None:
     """Copy the tensors still read from the checkpoint file into the process's memory.
 

@@ -37,7 +37,7 @@ from ..kernels.batch_invariant import make_batch_invariant
 from ..kernels.quant_cpu import int8_available
 from ..progress import Progress, ProgressCallback, check_cancelled
 from . import gguf_convert, gguf_native
-from .cpu_backend import prepare_for_cpu
+from .cpu_backend import prepare_as_stored, prepare_for_cpu
 from .gguf_convert import metadata_folder
 from .gguf_file import GGUFFile, read_gguf
 from .refs import gguf_file_of, resolve_model_ref
@@ -239,7 +239,7 @@ def _load_from_file(
     try:
         model = gguf_native.build_model(file, config, as_stored=stored)
         if stored:
-            make_batch_invariant(model)  # attention row-wise; the block kernels are row-wise already
+            prepare_as_stored(model)
         else:
             model.to(_DTYPES.get(precision, torch.float32))
             prepare_for_cpu(model, precision)
