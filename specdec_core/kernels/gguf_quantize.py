@@ -27,7 +27,13 @@ QUANTIZED = (
 @functools.cache
 def _typed(lib: ctypes.CDLL) -> ctypes.CDLL:
     """The library with gguf_quantize.c's signature declared (once per loaded library)."""
-    lib.gguf_quantize_rows.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    lib.gguf_quantize_rows.argtypes = [
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_void_p,
+    ]
     lib.gguf_quantize_rows.restype = ctypes.c_int64
     return lib
 
@@ -46,7 +52,9 @@ def quantize(rows: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     if cols % block:
         raise ValueError(f"rows of {cols} values are not whole {qtype.name} blocks of {block}")
     out = np.empty((n, cols // block * block_bytes), dtype=np.uint8)
-    written = _typed(native.library()).gguf_quantize_rows(int(qtype), values.ctypes.data, n, cols, out.ctypes.data)
+    written = _typed(native.library()).gguf_quantize_rows(
+        int(qtype), values.ctypes.data, n, cols, out.ctypes.data
+    )
     if written != out.shape[1]:
         raise ValueError(f"gguf_quantize.c refused {qtype.name} rows of {cols}")
     return out
