@@ -130,13 +130,13 @@ def tensor_type(name: str, cols: int, mix: str, layers: int, *, tied: bool) -> G
 def plan(config: Any, shapes: dict[str, tuple[int, ...]], mix: str) -> list[Planned]:
     """Every tensor of the GGUF for a folder whose safetensors hold `shapes`; ValueError (one
     line) for a tensor the layout has no name for."""
-    tied = "lm_head.weight" not in shapes
+    tied = "lm_head.weight" not in shapes or bool(getattr(config, "tie_word_embeddings", False))
     layers = int(config.num_hidden_layers)
     orders = gguf_native.llama_rows(config) if config.model_type == "llama" else {}
     planned = []
     for source, shape in shapes.items():
-        if source.endswith(_IGNORED):
-            continue
+        if source.endswith(_IGNORED) or (tied and source == "lm_head.weight"):
+            continue  # a tied head is the embedding, as transformers ties it
         name = _gguf_name(source)
         if name is None:
             raise ValueError(f"no GGUF name for the tensor {source}")
