@@ -2,8 +2,9 @@
 
 One library holds them: `int4_cpu.c` (4-bit weights x int8 activations, the int4
 precision), `attention_cpu.c` (causal attention a row at a time, in one call per
-layer) and `layers_cpu.c` (a decoder layer's norm and rotary embedding, a whole 4-bit
-layer, a model's layers in one call). All give every
+layer), `layers_cpu.c` (a decoder layer's norm and rotary embedding, a whole 4-bit
+layer, a model's layers in one call), `gguf_cpu.c` (a GGUF's blocks as stored) and
+`gguf_quantize.c` (llama.cpp's reference quantizers, to write such blocks). All give every
 row the same numbers whatever the batch and thread count, which is what keeps
 speculative decoding exact.
 
@@ -38,7 +39,7 @@ from pathlib import Path
 from ..disk_cache import kernels_dir
 from . import cpu, kernel_files
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("int4_cpu.c", "helper_cpu.c", "attention_cpu.c", "layers_cpu.c", "gguf_cpu.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("int4_cpu.c", "helper_cpu.c", "attention_cpu.c", "layers_cpu.c", "gguf_cpu.c", "gguf_quantize.c"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("helper_cpu.h", "simd16.h", "simd_math.h"))
 # -ffp-contract=off: a multiply then an add round twice, as torch's separate ops do. Nothing
 # here names an architecture: the scalar build compiles with a plain `cc` anywhere.

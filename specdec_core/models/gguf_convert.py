@@ -265,7 +265,7 @@ def _convert_into(
             tmp, source=str(gguf_path.resolve()), sha256=sha256, size=gguf_path.stat().st_size,
             source_verified=source_verified, label=label, progress=progress, cancel=cancel,
         )  # fmt: skip
-        _rename_into_place(tmp, final)
+        rename_into_place(tmp, final)
     except OSError as error:
         if is_disk_full(error):
             raise disk_full_error(
@@ -293,7 +293,7 @@ def write_marker(
     (folder / MARKER).write_text(json.dumps(marker, indent=1), encoding="utf-8")
 
 
-def _rename_into_place(tmp: Path, final: Path) -> None:
+def rename_into_place(tmp: Path, final: Path) -> None:
     if final.exists():
         if is_converted(final):
             return  # another process finished the same conversion first; keep theirs

@@ -11,7 +11,7 @@ other type keeps fp32 rows (`_activations`).
 
 Families whose GGUF tensors map onto transformers' modules name by name are listed in
 `ARCHITECTURES`; llama.cpp stores a Llama's q/k rows in its own rotary order, which
-`_llama_rows` undoes by reordering whole rows (each row is whole blocks, kept as they
+`llama_rows` undoes by reordering whole rows (each row is whole blocks, kept as they
 are). Any other family, or a tensor of a type without a kernel, is refused in one line
 and the caller falls back to the converted copy.
 """
@@ -45,7 +45,7 @@ ARCHITECTURES = ("qwen2", "llama")
 # (docs/models.md#fidelity); `--precision gguf` runs any supported type.
 Q4_K, Q6_K = 12, 14
 FAST_TYPES: frozenset[int] = frozenset({F32, Q4_K, Q6_K})
-_LAYER_TENSORS = {
+LAYER_TENSORS = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj",
@@ -100,12 +100,16 @@ def runs_fast(file: GGUFFile) -> bool:
 
 def fidelity(file: GGUFFile, model: nn.Module) -> str:
     """The fidelity label of a model built from `file`: as stored, and how its kernels run."""
-    label = f"as stored ({file.file_type or 'GGUF'})"
+    return f"as stored ({file.file_type or 'GGUF'})" + kernel_notes(model)
+
+
+def kernel_notes(model: nn.Module) -> str:
+    """What the kernels do beside the stored weights, for a fidelity label: ", activations int8
+    per 32 inputs", linears that fall back; "" when nothing."""
     linears = [m for m in model.modules() if isinstance(m, GGUFLinear)]
-    if any(m.activations == "i8" for m in linears):  # the weights as stored, the rows rounded
-        label += ", activations int8 per 32 inputs"
+    notes = ", activations int8 per 32 inputs" if any(m.activations == "i8" for m in linears) else ""
     fallbacks = [m for m in linears if m.path == FALLBACK]
-    return label + (f", {len(fallbacks)} linears de-quantized per call ({fallbacks[0].fallback_reason})" if fallbacks else "")
+    return notes + (f", {len(fallbacks)} linears de-quantized per call ({fallbacks[0].fallback_reason})" if fallbacks else "")
 
 
 def type_counts(file: GGUFFile) -> dict[str, int]:
@@ -128,9 +132,9 @@ def build_model(file: GGUFFile, config: Any, *, as_stored: bool = True) -> nn.Mo
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     inner = model.model
-    rows = _llama_rows(config) if file.architecture == "llama" else {}
+    rows = llama_rows(config) if file.architecture == "llama" else {}
     for index, layer in enumerate(inner.layers):
-        for short, path in _LAYER_TENSORS.items():
+        for short, path in LAYER_TENSORS.items():
             _place(layer, path, file, f"blk.{index}.{short}", rows.get(short))
     embd = file.tensors["token_embd.weight"]
     inner.embed_tokens = GGUFEmbedding(embd.qtype, file.raw("token_embd.weight"), embd.dims[0])
@@ -202,7 +206,7 @@ def _set_weight(module: nn.Module, values: np.ndarray) -> None:
     module.weight = nn.Parameter(torch.from_numpy(np.array(values, dtype=np.float32)), requires_grad=False)
 
 
-def _llama_rows(config: Any) -> dict[str, np.ndarray]:
+def llama_rows(config: Any) -> dict[str, np.ndarray]:
     """The file's row for each of transformers' q and k rows (llama.cpp interleaves the rotary halves)."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 

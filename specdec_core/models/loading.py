@@ -36,7 +36,7 @@ from ..kernels import native
 from ..kernels.batch_invariant import make_batch_invariant
 from ..kernels.quant_cpu import int8_available
 from ..progress import Progress, ProgressCallback, check_cancelled
-from . import gguf_convert, gguf_native
+from . import gguf_convert, gguf_native, hf_blocks
 from .cpu_backend import prepare_as_stored, prepare_for_cpu
 from .gguf_convert import metadata_folder
 from .gguf_file import GGUFFile, read_gguf
@@ -46,7 +46,8 @@ from .requirements import check_requirements
 DEVICES = ("auto", "cpu", "cuda")
 # AS_STORED: a GGUF's blocks as the file holds them (CPU; gguf_native.py).
 AS_STORED = "gguf"
-PRECISIONS = ("auto", "fp32", "bf16", "fp16", "int8", "int4", "nf4", AS_STORED)
+# q4_k_m, q8_0: an HF folder quantized once into llama.cpp's blocks, run as stored (CPU; hf_blocks.py).
+PRECISIONS = ("auto", "fp32", "bf16", "fp16", "int8", "int4", "nf4", AS_STORED, *hf_blocks.MIXES)
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Bytes a parameter takes in memory at each precision (nf4: 4 bits plus block scales).
 _BYTES_PER_PARAM = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0, "int4": 0.63, "nf4": 0.56}
@@ -162,7 +163,7 @@ def load_model(
     check_requirements()  # a library user may not have called startup.prepare_process
     device = resolve_device(device)
     file = gguf_for_cpu(ref, device, precision, progress=progress, cancel=cancel)
-    if precision == AS_STORED and not as_stored:
+    if (precision == AS_STORED or precision in hf_blocks.MIXES) and not as_stored:
         precision = "auto"  # a draft: the fastest of the CPU's own precisions
     if file is not None:
         stored = precision == AS_STORED or (precision == "auto" and as_stored and gguf_native.runs_fast(file))
@@ -170,6 +171,9 @@ def load_model(
                                progress=progress, cancel=cancel)  # fmt: skip
     path = resolve_path(ref, progress=progress, cancel=cancel)
     config = load_config(path, ref, trust_remote_code)
+    mix = _blocks_mix(path, config, ref, device, precision, as_stored)
+    if mix is not None:
+        return _load_folder_as_blocks(ref, path, config, mix, trust_remote_code, progress=progress, cancel=cancel)
     precision = resolve_precision(precision, device, checkpoint_parameters(path, config), offload=offload)
     check_cancelled(cancel)
     if progress:
@@ -189,6 +193,56 @@ def load_model(
                        fidelity=fidelity_label(path, config, precision))  # fmt: skip
 
 
+def _blocks_mix(path: Path, config: Any, ref: str, device: str, precision: str, as_stored: bool) -> str | None:
+    """The llama.cpp mix a folder load runs as blocks (hf_blocks.py), or None for today's path.
+
+    Asked for (`q4_k_m`, `q8_0`), it is that mix or one line saying why not. `auto` takes
+    Q4_K_M for a target where every type of its recipe runs at about int4's pace
+    (hf_blocks.runs_fast); a folder converted from a GGUF is left to its own path.
+    """
+    if precision in hf_blocks.MIXES:
+        if device != "cpu":
+            raise ModelLoadError(f"{precision} is a CPU precision (llama.cpp's blocks); on a GPU use bf16 or nf4")
+        reason = "it was converted from a GGUF, which runs as stored" if gguf_convert.is_converted(path) else None
+        reason = reason or hf_blocks.refusal(path, config)
+        if reason is not None:
+            raise ModelLoadError(f"{ref}: {precision} quantizes an HF folder into llama.cpp's blocks, and {reason}")
+        return precision
+    if precision != "auto" or device != "cpu" or not as_stored or gguf_convert.is_converted(path):
+        return None
+    if hf_blocks.refusal(path, config) is not None:
+        return None
+    try:
+        planned = hf_blocks.plan(config, hf_blocks.shapes_of(path), "q4_k_m")
+    except ValueError:
+        return None
+    return "q4_k_m" if hf_blocks.runs_fast(planned) else None
+
+
+def _load_folder_as_blocks(
+    ref: str, path: Path, config: Any, mix: str, trust_remote_code: bool, *,
+    progress: ProgressCallback | None, cancel: threading.Event | None,
+) -> LoadedModel:  # fmt: skip
+    """A folder's weights as llama.cpp blocks: the cached GGUF (written and measured once), run as stored."""
+    label = Path(ref).name or ref
+    try:
+        made = hf_blocks.cached_blocks(path, config, mix, label=label, progress=progress, cancel=cancel)
+    except ValueError as exc:  # a tensor the GGUF layout has no name for
+        raise ModelLoadError(f"{ref}: {exc}") from None
+    check_cancelled(cancel)
+    if progress:
+        progress(Progress(f"Loading {label} (cpu · {mix})", 0, 0))
+    tokenizer = load_tokenizer(path, ref, trust_remote_code)
+    file = read_gguf(made.gguf)
+    try:
+        model = gguf_native.build_model(file, config)
+        prepare_as_stored(model)  # repacked weights in 2 MB pages; attention row-wise
+    except (torch.OutOfMemoryError, MemoryError) as exc:
+        raise OutOfMemory(f"out of memory loading {ref} at {mix} on cpu; {_oom_hint('cpu', 'int4')}") from exc
+    return LoadedModel(ref=ref, path=path, model=model, tokenizer=tokenizer, device="cpu", precision=mix,
+                       fidelity=made.probe.label() + gguf_native.kernel_notes(model))  # fmt: skip
+
+
 # The CPU precisions made from a GGUF's blocks in memory (gguf_native), with no converted copy.
 FROM_BLOCKS = (AS_STORED, "auto", "fp32", "bf16", "fp16", "int8", "int4")
 
@@ -205,6 +259,9 @@ def gguf_for_cpu(
     from the conversion rather than downloading again.
     """
     asked = precision == AS_STORED
+    if precision in hf_blocks.MIXES and gguf_file_of(ref, fetch=False) is not None:
+        raise ModelLoadError(f"{ref} is a GGUF file: it runs its own blocks as stored (--precision gguf); "
+                             f"{precision} quantizes an HF folder")  # fmt: skip
     if device != "cpu" or precision not in FROM_BLOCKS:
         if asked:
             raise ModelLoadError("gguf (the file's blocks as stored) runs on the CPU; on a GPU use bf16 or nf4")
@@ -254,18 +311,12 @@ def _load_from_file(
 def fidelity_label(path: Path, config: Any, precision: str) -> str:
     """How the weights a load computes with relate to its source's (a GGUF's blocks, a folder's dtype)."""
     gguf = _gguf_source_type(path)
-    source = gguf or _dtype_name(config)
+    source = gguf or hf_blocks.source_dtype(config)
     if gguf is None and precision == source:
         return f"as stored ({source})"
     if precision == "fp32":
         return f"as stored ({source}), in fp32"  # de-quantizing blocks or widening halves is exact
     return f"re-quantized: {precision} from {source}"
-
-
-def _dtype_name(config: Any) -> str:
-    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    name = str(dtype).removeprefix("torch.") if dtype is not None else ""
-    return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(name, name or "the checkpoint")
 
 
 def _gguf_source_type(folder: Path) -> str | None:
