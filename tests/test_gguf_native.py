@@ -15,6 +15,7 @@ from specdec_core import ChatSession, GenerationParams, LoadSpec, Message
 from specdec_core.errors import ModelLoadError
 from specdec_core.kernels import native
 from specdec_core.kernels.gguf_blocks import F32, I8, GGUFLinear
+from specdec_core.kernels.int4_cpu import K4, K6, Int4Linear
 from specdec_core.models import gguf_convert, gguf_native
 from specdec_core.models.gguf_file import read_gguf
 from specdec_core.models.loading import fidelity_label, load_model
@@ -158,6 +159,32 @@ def test_generate_json_reports_the_fidelity(capsys, tiny_gguf):
     assert doc["target"]["precision"] == "gguf" and doc["target"]["fidelity"].startswith("as stored")
 
 
+def stored_types(model: torch.nn.Module) -> set[str]:
+    """The block types the model's linears compute with: the GGUF linears' own, and Q4_K and Q6_K
+    where they run repacked as int4_cpu's modules (layouts K4, K6)."""
+    repacked = {K4: "Q4_K", K6: "Q6_K"}
+    return {m.qtype.name for m in model.modules() if isinstance(m, GGUFLinear)} | {
+        repacked[m.bits] for m in model.modules() if isinstance(m, Int4Linear) and m.bits in repacked
+    }
+
+
+@needs_kernel
+def test_repacked_linears_run_fused_in_the_int4_paths_one_call_layers_computing_the_same_function(tmp_path):
+    from specdec_core.kernels.fused_int8 import FusedGateUpMLP
+    from specdec_core.kernels.layers_cpu import writes_cache_in_place
+
+    path = write_tiny_llama_gguf(tmp_path / "tiny-Q4_K.gguf", arch="qwen2", qtype="Q4_K", hidden=256, ffn=512)
+    stored = load_model(str(path), device="cpu", precision="gguf")
+    plain = gguf_native.build_model(read_gguf(path), stored.model.config)  # GGUF linears, no fusion
+    assert not [m for m in stored.model.model.layers.modules() if isinstance(m, GGUFLinear)]
+    assert all(isinstance(layer.mlp, FusedGateUpMLP) for layer in stored.model.model.layers)
+    assert writes_cache_in_place(stored.model)  # q/k/v fused too: each layer is one C call
+    assert stored.fidelity.endswith("activations int8 per 32 inputs")
+    ids = stored.tokenizer("def is_prime(n): return n > 1 and hello world")["input_ids"]
+    a, b = logits(stored.model, ids), logits(plain, ids)
+    assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), (a - b).abs().max()  # the norm sums in its own order
+
+
 BLOCK_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16"]
 PAST_THE_WINDOW = 300  # prompt tokens: more than a model draft's window (drafters.WINDOW)
 
@@ -181,7 +208,7 @@ def test_every_block_type_as_stored_answers_as_the_target_alone_with_every_draft
         hidden=256 if wide else 32, ffn=512 if wide else 64,
     )  # fmt: skip
     target = load_model(str(path), device="cpu", precision="gguf")
-    assert {m.qtype.name for m in target.model.modules() if isinstance(m, GGUFLinear)} >= {qtype}
+    assert stored_types(target.model) >= {qtype}
     draft = load_model(str(path), device="cpu", precision="fp32", as_stored=False).model  # near, not equal
     text = "def is_prime(n): return n > 1 and hello world, speculative decoding. "
     prompt = target.tokenizer(text * 20)["input_ids"][:PAST_THE_WINDOW]

@@ -15,6 +15,7 @@ from rowwise import assert_rows_bitwise_the_same
 from specdec_core.kernels import cpu, huge_pages, native
 from specdec_core.kernels.gguf_blocks import I8, REPACKED_BITS, GGUFLinear
 from specdec_core.kernels.huge_pages import HUGE_PAGE, place_in_huge_pages
+from specdec_core.kernels.int4_cpu import K_SCALES
 from tests.test_gguf_blocks import _stored_blocks
 from tests.test_gguf_int import _integer_weights
 
@@ -177,3 +178,15 @@ def test_repacked_weights_moved_into_huge_pages_give_bitwise_the_same_rows(qtype
     starts = [linear.packed.ctypes.data for linear in linears]
     assert moved > 0 and starts[0] % HUGE_PAGE == 0 and all(isinstance(m.packed, np.ndarray) for m in linears)
     assert all(torch.equal(linear(x), y) for linear, y in zip(linears, before, strict=True))
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", REPACKED)
+def test_as_int4_is_the_same_linear_with_the_files_weights(qtype: GGMLQuantizationType) -> None:
+    linear = _linear(qtype, out_features=48)
+    int4 = linear.as_int4()
+    assert int4 is not None and int4.bits & K_SCALES
+    x = torch.randn(7, linear.in_features, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(int4(x), linear(x))
+    stored = _stored_blocks(qtype, 48, 512, 0).reshape(48, -1)
+    assert np.array_equal(int4.dense_weight().numpy(), gguf_quants.dequantize(stored, qtype))

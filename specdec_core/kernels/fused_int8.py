@@ -24,7 +24,7 @@ from typing import cast
 import torch
 from torch import nn
 
-from .int4_cpu import Int4Linear
+from .int4_cpu import K_SCALES, LANES, Int4Linear
 from .quant_cpu import PerTokenInt8Linear
 
 ENV_VAR = "SPECDEC_FUSE"  # "0" loads without fusing (for measuring what fusion gains)
@@ -37,9 +37,12 @@ Stackable = PerTokenInt8Linear | Int4Linear
 
 
 def _same_kind(parts: Sequence[object]) -> bool:
-    """All our int8 linears, or all our 4-bit ones of one bit width: the kinds whose rows stack exactly."""
+    """All our int8 linears, or all our 4-bit ones of one layout: the kinds whose rows stack
+    exactly (a repacked GGUF layout only in whole blocks of outputs, `Int4Linear.stack`)."""
     if all(isinstance(p, Int4Linear) for p in parts):
-        return len({cast(Int4Linear, p).bits for p in parts}) == 1
+        linears = cast(Sequence[Int4Linear], parts)
+        whole = all(p.out_features % LANES == 0 for p in linears[:-1])
+        return len({p.bits for p in linears}) == 1 and (whole or not linears[0].bits & K_SCALES)
     return all(isinstance(p, PerTokenInt8Linear) for p in parts)
 
 

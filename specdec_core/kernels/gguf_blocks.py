@@ -49,6 +49,7 @@ from gguf import quants as gguf_quants
 from torch import nn
 
 from . import native
+from .int4_cpu import K_SCALES, LANES, Int4Linear
 
 SUPPORTED = (
     GGMLQuantizationType.F32,
@@ -315,6 +316,17 @@ class GGUFLinear(nn.Module):
         values = gguf_quants.dequantize(self.blocks.reshape(self.out_features, self.row_bytes), self.qtype)
         # F32 comes back as a view of the file's read-only memory: torch gets a copy of that one.
         return torch.from_numpy(values if values.flags.writeable else values.copy())
+
+    def as_int4(self) -> Int4Linear | None:
+        """This linear as int4_cpu's module over the same repacked bytes (layout K4 or K6): the same
+        kernel call, so the same numbers, and the int4 path's fusion and one-call layers take it.
+        None where it is not repacked."""
+        if self.packed is None:
+            return None
+        blocks = -(-self.out_features // LANES)
+        packed = torch.from_numpy(self.packed).view(blocks, -1)
+        bits = REPACKED_BITS[self.qtype] | K_SCALES
+        return Int4Linear(packed, self.out_features, self.bias, bits=bits, in_features=self.in_features)
 
     def extra_repr(self) -> str:
         return (

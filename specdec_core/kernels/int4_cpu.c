@@ -115,6 +115,50 @@ static void quantize_row(const float *x, int64_t k, int8_t *q, float *scale, flo
     }
 }
 
+/* A group's q values for its 16 channels: q[c][j] for input j, unpack_group's values in
+ * the inputs' order (vector m holds inputs 4m .. 4m + 3). In int16, as the activations:
+ * loops of int16 products summed in int32 are what compilers vectorize. */
+static void unpack_values(const uint8_t *blk, int bits, int16_t q[LANES][GROUP]) {
+    for (int t = 0; t < 4; t++)
+        for (int c = 0; c < LANES; c++)
+            for (int i = 0; i < 4; i++) {
+                uint8_t byte = blk[64 * t + 4 * c + i];
+                q[c][8 * t + i] = byte & 0x0F;
+                q[c][8 * t + 4 + i] = byte >> 4;
+            }
+    if (bits != 6) return;
+    for (int m = 0; m < 8; m++)
+        for (int c = 0; c < LANES; c++)
+            for (int i = 0; i < 4; i++)
+                q[c][4 * m + i] |= (int16_t)(((blk[256 + 64 * (m / 4) + 4 * c + i] >> (2 * (m % 4))) & 3) << 4);
+}
+
+static float from_half(uint16_t half);
+
+/* The fp16 value at `p`. */
+static float half_at(const uint8_t *p) {
+    uint16_t half;
+    memcpy(&half, p, sizeof half);
+    return from_half(half);
+}
+
+/* Group g's 2 x 16 scales as floats (scales, then minimums; at K6 the second half's scales):
+ * fp16, or a K layout's d (or -dmin) from its head times the group's integers, in fp32. */
+static void block_scales(const uint8_t *w, int64_t g, int bits, float s[2 * LANES]) {
+    const uint8_t *blk = GROUP_AT(w, g, bits), *scales = blk + Q_BYTES(bits);
+    if (!(bits & K_SCALES)) {
+        for (int c = 0; c < 2 * LANES; c++) s[c] = half_at(scales + 2 * c);
+        return;
+    }
+    const uint8_t *head = GROUP_AT(w, g - g % K_GROUPS, bits) - K_HEAD;
+    for (int c = 0; c < LANES; c++) {
+        int first = bits == K6 ? (int8_t)scales[c] : scales[c];
+        int second = bits == K6 ? (int8_t)scales[LANES + c] : scales[LANES + c];
+        s[c] = half_at(head + 2 * c) * (float)first;
+        s[LANES + c] = half_at(head + (bits == K6 ? 0 : 32) + 2 * c) * (float)second;
+    }
+}
+
 #ifdef V16_AVX512
 /* acc + the bytes of w times x broadcast to every lane (vpdpbusd). GCC 12 loads the broadcast
  * into a register first (vpbroadcastd), one more instruction per product; the memory form
@@ -368,49 +412,6 @@ static inline __attribute__((always_inline)) void block_tile(
  * float operations after it are the vector builds', lane for lane (fmaf where they fuse):
  * the same numbers. */
 
-/* A group's q values for its 16 channels: q[c][j] for input j, unpack_group's values in
- * the inputs' order (vector m holds inputs 4m .. 4m + 3). In int16, as the activations:
- * loops of int16 products summed in int32 are what compilers vectorize. */
-static void unpack_values(const uint8_t *blk, int bits, int16_t q[LANES][GROUP]) {
-    for (int t = 0; t < 4; t++)
-        for (int c = 0; c < LANES; c++)
-            for (int i = 0; i < 4; i++) {
-                uint8_t byte = blk[64 * t + 4 * c + i];
-                q[c][8 * t + i] = byte & 0x0F;
-                q[c][8 * t + 4 + i] = byte >> 4;
-            }
-    if (bits != 6) return;
-    for (int m = 0; m < 8; m++)
-        for (int c = 0; c < LANES; c++)
-            for (int i = 0; i < 4; i++)
-                q[c][4 * m + i] |= (int16_t)(((blk[256 + 64 * (m / 4) + 4 * c + i] >> (2 * (m % 4))) & 3) << 4);
-}
-
-static float from_half(uint16_t half);
-
-/* The fp16 value at `p`. */
-static float half_at(const uint8_t *p) {
-    uint16_t half;
-    memcpy(&half, p, sizeof half);
-    return from_half(half);
-}
-
-/* Group g's 2 x 16 scales as floats (scales, then minimums; at K6 the second half's scales):
- * fp16, or a K layout's d (or -dmin) from its head times the group's integers, in fp32. */
-static void block_scales(const uint8_t *w, int64_t g, int bits, float s[2 * LANES]) {
-    const uint8_t *blk = GROUP_AT(w, g, bits), *scales = blk + Q_BYTES(bits);
-    if (!(bits & K_SCALES)) {
-        for (int c = 0; c < 2 * LANES; c++) s[c] = half_at(scales + 2 * c);
-        return;
-    }
-    const uint8_t *head = GROUP_AT(w, g - g % K_GROUPS, bits) - K_HEAD;
-    for (int c = 0; c < LANES; c++) {
-        int first = bits == K6 ? (int8_t)scales[c] : scales[c];
-        int second = bits == K6 ? (int8_t)scales[LANES + c] : scales[LANES + c];
-        s[c] = half_at(head + 2 * c) * (float)first;
-        s[LANES + c] = half_at(head + (bits == K6 ? 0 : 32) + 2 * c) * (float)second;
-    }
-}
 
 static void block_tile(const uint8_t *w, int64_t groups, const int8_t *q, const float *scale,
                        const float *scaled_sum, const float *half_sum, int64_t k, int rows, int bits,
@@ -639,13 +640,21 @@ static int linear(const uint8_t *w, int64_t n_out, int64_t k, const float *x, in
     return 0;
 }
 
-/* y [rows, n_out] = x [rows, k] times the packed weights of `bits` (4 or 6), plus bias [n_out]
- * unless it is NULL (one float add, as `y += bias` would); 0, or -1 when out of memory (or
- * `bits` is neither). On one thread, shared with the helper when it is on: the weights and
- * bias may then be freed only after helper_settle (int4_cpu.py settles as a linear is freed). */
+/* Whether `bits` names a layout whose groups fit k inputs: 4 and 6 take whole groups of 32,
+ * the K layouts whole blocks of 256. */
+static int layout_fits(int bits, int64_t k) {
+    if (bits == 4 || bits == 6) return k % GROUP == 0;
+    return (bits == K4 || bits == K6) && k % (K_GROUPS * GROUP) == 0;
+}
+
+/* y [rows, n_out] = x [rows, k] times the packed weights of layout `bits` (4, 6, K4 or K6), plus
+ * bias [n_out] unless it is NULL (one float add, as `y += bias` would); 0, or -1 when out of
+ * memory (or `bits` names no layout for k). On one thread, shared with the helper when it is
+ * on: the weights and bias may then be freed only after helper_settle (int4_cpu.py settles as
+ * a linear is freed). */
 int int4_linear(const uint8_t *w, int64_t n_out, int64_t k, const float *x, int64_t rows, const float *bias,
                 float *y, int threads, int bits) {
-    if (bits != 4 && bits != 6) return -1;
+    if (!layout_fits(bits, k)) return -1;
     return linear(w, n_out, k, x, rows, bias, y, threads, bits);
 }
 
@@ -846,11 +855,36 @@ int int4_pack(const float *w, int64_t n_out, int64_t k, int bits, uint8_t *packe
     return unfit ? -2 : 0;
 }
 
+/* int4_unpack for the K layouts: w = (d * sc) * q + (-dmin * m) at K4, (d * sc) * (q - 32) at
+ * K6 (sc of inputs 0..15, then of 16..31), each product in fp32 as the kernel forms it: the
+ * GGUF tensor's own de-quantized values. */
+static int unpack_k(const uint8_t *packed, int64_t n_out, int64_t k, int bits, float *w, int threads) {
+    int64_t groups = k / GROUP, blocks = (n_out + LANES - 1) / LANES, stride = BLOCK_STRIDE(bits, groups);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *wb = packed + b * stride;
+        for (int64_t g = 0; g < groups; g++) {
+            float s[2 * LANES];
+            int16_t q[LANES][GROUP];
+            block_scales(wb, g, bits, s);
+            unpack_values(GROUP_AT(wb, g, bits), QBITS(bits), q);
+            for (int c = 0; c < LANES && b * LANES + c < n_out; c++) {
+                float *out = w + (b * LANES + c) * k + g * GROUP;
+                for (int j = 0; j < GROUP; j++)
+                    out[j] = bits == K6 ? s[j < GROUP / 2 ? c : LANES + c] * (float)(q[c][j] - 32)
+                                        : s[c] * (float)q[c][j] + s[LANES + c];
+            }
+        }
+    }
+    return 0;
+}
+
 /* int4_pack's inverse, as floats: w [n_out, k] = scale * q + minimum (a multiply, then an add),
  * the values the kernel multiplies by, as int4_cpu.dequantize(*unpack(packed)) gives them.
  * 0, or -1 when k or bits do not fit. */
 int int4_unpack(const uint8_t *packed, int64_t n_out, int64_t k, int bits, float *w, int threads) {
-    if ((bits != 4 && bits != 6) || k % GROUP) return -1;
+    if (!layout_fits(bits, k)) return -1;
+    if (bits & K_SCALES) return unpack_k(packed, n_out, k, bits, w, threads);
     int64_t groups = k / GROUP, blocks = (n_out + LANES - 1) / LANES, block_bytes = BLOCK_BYTES(bits);
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t b = 0; b < blocks; b++) {

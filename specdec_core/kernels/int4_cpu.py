@@ -42,6 +42,10 @@ GROUP = 32  # inputs per weight scale and per activation scale
 LANES = 16  # output channels per block of the packed layout
 SCALE_BYTES = 2 * LANES * 2  # 16 fp16 scales, then 16 fp16 minimums
 HEAD_BITS = 6  # the target's LM head (GGUF files keep it at 6 bits or more)
+# The layouts of GGUF Q4_K and Q6_K tensors repacked for the same kernel (gguf_cpu.c's
+# gguf_repack): the file's values, with fp32 scales formed from each 256 inputs' d.
+K_SCALES = 0x10
+K4, K6 = 4 | K_SCALES, 6 | K_SCALES
 
 
 def block_bytes(bits: int) -> int:
@@ -172,10 +176,16 @@ class Int4Linear(nn.Module):
     packed: torch.Tensor
     many_rows: ManyRowPath | None = None  # never set on a target: it changes the numbers
 
-    def __init__(self, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> None:
+    def __init__(
+        self, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None, *,
+        bits: int | None = None, in_features: int | None = None,
+    ) -> None:  # fmt: skip
+        """`packed`: [blocks, groups, block bytes] of layout 4 or 6 (told by its size), or, with
+        `bits` K4 or K6 and `in_features`, [blocks, bytes per block] of a repacked GGUF tensor."""
         super().__init__()
-        self.out_features, self.in_features = out_features, packed.shape[1] * GROUP
-        self.bits = 6 if packed.shape[2] == block_bytes(6) else 4
+        self.out_features = out_features
+        self.in_features = in_features if in_features is not None else packed.shape[1] * GROUP
+        self.bits = bits if bits is not None else 6 if packed.shape[2] == block_bytes(6) else 4
         self.register_buffer("packed", packed.contiguous())
         self.bias = (
             None if bias is None else nn.Parameter(bias.detach().float().contiguous(), requires_grad=False)
@@ -199,9 +209,12 @@ class Int4Linear(nn.Module):
     def stack(cls, parts: Sequence[Int4Linear], bias: torch.Tensor | None) -> Int4Linear:
         """One linear whose output is the parts' outputs side by side, the same values exactly
         (`fused_int8.fuse_rows` checks the input sizes and stacks the biases)."""
-        out_features = sum(p.out_features for p in parts)
+        out_features, bits = sum(p.out_features for p in parts), parts[0].bits
         if all(p.out_features % LANES == 0 for p in parts[:-1]):  # whole blocks: side by side as they are
-            return cls(torch.cat([p.packed for p in parts]), out_features, bias)
+            packed = torch.cat([p.packed for p in parts])
+            return cls(packed, out_features, bias, bits=bits, in_features=parts[0].in_features)
+        if bits & K_SCALES:
+            raise ValueError("repacked GGUF linears stack only in whole blocks of 16 outputs")
         pieces = [unpack(p.packed, p.out_features) for p in parts]
         q, scale, minimum = (torch.cat([piece[i] for piece in pieces]) for i in range(3))
         return cls(pack(q, scale, minimum, parts[0].bits), out_features, bias)

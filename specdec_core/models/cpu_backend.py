@@ -21,6 +21,7 @@ from ..kernels import int4_cpu
 from ..kernels.batch_invariant import make_batch_invariant
 from ..kernels.draft_int4 import speed_up_draft
 from ..kernels.fused_int8 import apply_fusion
+from ..kernels.gguf_blocks import GGUFLinear
 from ..kernels.huge_pages import place_in_huge_pages
 from ..kernels.int4_cpu import head_to_int4
 from ..kernels.layers_cpu import speed_up_layers
@@ -47,11 +48,18 @@ def prepare_for_cpu(model: Any, precision: str) -> None:
 
 
 def prepare_as_stored(model: Any) -> None:
-    """What loading makes of a GGUF run from its blocks (gguf_native), in place: the weights
-    repacked for the 4-bit kernel in 2 MB pages, and attention row-wise (the block kernels
-    are row-wise already)."""
+    """What loading makes of a GGUF run from its blocks (gguf_native), in place. The linears
+    repacked for the 4-bit kernel become its modules (the same bytes and kernel call), so they
+    get what the int4 path gets: q/k/v and gate/up fused where their layouts match, 2 MB
+    pages, one C call a layer. Attention is row-wise, as the block kernels are."""
+    for name, module in list(model.named_modules()):
+        int4 = module.as_int4() if isinstance(module, GGUFLinear) else None
+        if int4 is not None:
+            model.set_submodule(name, int4)
+    apply_fusion(model)
     place_in_huge_pages(model.modules())
     make_batch_invariant(model)
+    speed_up_layers(model)
 
 
 def copy_out_of_checkpoint_file(model: Any) -> None:

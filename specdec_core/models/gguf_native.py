@@ -36,6 +36,7 @@ from ..kernels.gguf_blocks import (
     kernels_run,
     repacks,
 )
+from ..kernels.int4_cpu import K_SCALES, Int4Linear
 from .gguf_file import GGUFFile
 
 F32 = 0
@@ -107,7 +108,8 @@ def kernel_notes(model: nn.Module) -> str:
     """What the kernels do beside the stored weights, for a fidelity label: ", activations int8
     per 32 inputs", linears that fall back; "" when nothing."""
     linears = [m for m in model.modules() if isinstance(m, GGUFLinear)]
-    notes = ", activations int8 per 32 inputs" if any(m.activations == "i8" for m in linears) else ""
+    repacked = any(isinstance(m, Int4Linear) and m.bits & K_SCALES for m in model.modules())
+    notes = ", activations int8 per 32 inputs" if repacked or any(m.activations == I8 for m in linears) else ""
     fallbacks = [m for m in linears if m.path == FALLBACK]
     return notes + (f", {len(fallbacks)} linears de-quantized per call ({fallbacks[0].fallback_reason})" if fallbacks else "")
 
