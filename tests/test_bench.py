@@ -456,3 +456,25 @@ def test_a_bad_method_list_is_refused_before_any_model_loads(monkeypatch, capsys
     monkeypatch.setattr(loading, "load_model", must_not_load)
     assert main(["bench", "--methods", methods, "--limit", "1"]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not Path("/proc/cpuinfo").is_file(), reason="no /proc/cpuinfo")
+def test_the_peer_by_default_is_llama_cpp_built_for_this_cpu_its_no_amx_build_first(tmp_path, monkeypatch):
+    import hashlib
+    import subprocess
+
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))
+    script = Path(__file__).parent.parent / "scripts" / "build-llama-cpp"
+    assert f"VERSION={llama_server.LLAMA_CPP_VERSION}\n" in script.read_text()
+    # The script's own name for this CPU model's build folder.
+    line = subprocess.run(["grep", "-m1", "model name", "/proc/cpuinfo"], capture_output=True, text=True).stdout
+    if not line:
+        pytest.skip("this CPU names no model in /proc/cpuinfo")
+    cpu = hashlib.sha256((line.split(":", 1)[1]).encode()).hexdigest()[:12]
+    root = tmp_path / "llama.cpp" / f"{llama_server.LLAMA_CPP_VERSION}-{cpu}" / "src" / "vendor" / "llama.cpp"
+    assert llama_server.built_for_this_cpu() is None
+    for build in ("build", "build-noamx"):
+        binary = root / build / "bin" / "llama-server"
+        binary.parent.mkdir(parents=True)
+        binary.write_text("")
+        assert llama_server.find_llama_server() == binary

