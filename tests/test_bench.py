@@ -352,6 +352,7 @@ def test_llama_server_is_skipped_with_the_reason_when_absent(
     assert set(report["config"]["skipped_methods"]) == set(PEER_METHODS)
     assert all(reason for reason in report["config"]["skipped_methods"].values())
     monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))  # no build for this CPU either
     monkeypatch.setattr(llama_server, "BINARY_NAMES", ("no-such-llama-server",))
     gguf = tmp_path / "t.gguf"
     gguf.write_bytes(b"GGUF")
