@@ -16,6 +16,7 @@ anything records the weights' addresses (the one-call layers, `layers_cpu`).
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import re
 from collections.abc import Iterable
@@ -30,6 +31,7 @@ from .int4_cpu import Int4Linear
 
 HUGE_PAGE = 2 << 20
 _ALIGN = 4096  # each module's weights start on a page of their own
+_TRIM_EVERY = 64 << 20  # bytes moved between handing freed buffers back: the peak stays near one copy
 
 
 def available() -> bool:
@@ -42,24 +44,36 @@ def place_in_huge_pages(modules: Iterable[nn.Module]) -> int:
 
     Those are int4_cpu's linears and GGUF linears repacked for its kernel (gguf_blocks), whose
     `packed` is a numpy array: it is placed the same way and stays a numpy array."""
-    linears = [(m, packed) for m in modules if (packed := _packed(m)) is not None]
+    linears = [m for m in modules if _packed(m) is not None]  # modules only: a list of the old
+    # buffers would keep every one of them alive until the last copy is made
     if not linears or not available():
         return 0
-    sizes = [_rounded(packed.nbytes) for _, packed in linears]
+    sizes = [_rounded(_nbytes(linear)) for linear in linears]
     try:
         arena = buffer(sum(sizes))
     except OSError:  # no room for the mapping, or the kernel refuses the advice: stay where they are
         return 0
-    offset = 0
-    for (linear, packed), size in zip(linears, sizes, strict=True):
+    offset = trimmed = 0
+    for linear, size in zip(linears, sizes, strict=True):
+        packed = _packed(linear)
+        assert packed is not None
         placed = arena[offset : offset + packed.nbytes].numpy()
         placed[:] = packed.reshape(-1).view(np.uint8)
+        moved = placed.view(packed.dtype).reshape(packed.shape)
+        del packed
         native.settle_helper()  # the kernel's helper may still read the old buffer (helper_cpu.c)
         # The old buffer is freed here: one module's copy at a time.
-        moved = placed.view(packed.dtype).reshape(packed.shape)
         setattr(linear, "packed", torch.from_numpy(moved) if isinstance(linear, Int4Linear) else moved)  # noqa: B010
         offset += size
+        if offset - trimmed >= _TRIM_EVERY:  # the old buffers go back to the OS as the copies grow
+            return_freed_memory()
+            trimmed = offset
     return offset
+
+
+def _nbytes(module: nn.Module) -> int:
+    packed = _packed(module)
+    return 0 if packed is None else packed.nbytes
 
 
 def _packed(module: nn.Module) -> np.ndarray | None:
@@ -68,6 +82,19 @@ def _packed(module: nn.Module) -> np.ndarray | None:
     if isinstance(module, Int4Linear) and isinstance(packed, torch.Tensor):
         return packed.numpy()
     return packed if isinstance(packed, np.ndarray) else None
+
+
+def return_freed_memory() -> None:
+    """Hand the heap's free pages back to the OS (glibc's malloc_trim; elsewhere nothing).
+
+    Quantizing frees the full-precision copies it made, and moving weights into huge pages
+    frees their old buffers; glibc keeps freed memory for later allocations, where it stays
+    counted as the process's."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (AttributeError, OSError):
+        return
+    trim(0)
 
 
 def granted_bytes() -> int | None:

@@ -10,7 +10,6 @@ int8 reads of long prompts.
 
 from __future__ import annotations
 
-import ctypes
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -22,7 +21,7 @@ from ..kernels.batch_invariant import make_batch_invariant
 from ..kernels.draft_int4 import speed_up_draft
 from ..kernels.fused_int8 import apply_fusion
 from ..kernels.gguf_blocks import GGUFLinear
-from ..kernels.huge_pages import place_in_huge_pages
+from ..kernels.huge_pages import place_in_huge_pages, return_freed_memory
 from ..kernels.int4_cpu import head_to_int4
 from ..kernels.layers_cpu import speed_up_layers
 from ..kernels.quant_cpu import quantize_linears_int8
@@ -44,7 +43,7 @@ def prepare_for_cpu(model: Any, precision: str) -> None:
     make_batch_invariant(model)
     if precision in ("int8", "int4"):
         speed_up_layers(model)  # norms and rotary embedding in C: fewer calls a layer
-        _return_freed_memory()
+        return_freed_memory()
 
 
 def prepare_as_stored(model: Any) -> None:
@@ -57,9 +56,11 @@ def prepare_as_stored(model: Any) -> None:
         if int4 is not None:
             model.set_submodule(name, int4)
     apply_fusion(model)
+    return_freed_memory()  # the parts fusion copied: before the next copy, not after
     place_in_huge_pages(model.modules())
     make_batch_invariant(model)
     speed_up_layers(model)
+    return_freed_memory()
 
 
 def copy_out_of_checkpoint_file(model: Any) -> None:
@@ -77,18 +78,6 @@ def copy_out_of_checkpoint_file(model: Any) -> None:
         address = tensor.data_ptr()
         if tensor.numel() and any(start <= address < end for start, end in files):
             tensor.data = tensor.data.clone()
-
-
-def _return_freed_memory() -> None:
-    """Hand the heap's free pages back to the OS (glibc's malloc_trim; elsewhere nothing).
-
-    Quantizing frees the full-precision copies it made, ~0.9 GB on the 1.5B, and glibc
-    keeps freed memory for later allocations, where it stays counted as the process's."""
-    try:
-        trim = ctypes.CDLL(None).malloc_trim
-    except (AttributeError, OSError):
-        return
-    trim(0)
 
 
 def _file_mappings() -> list[tuple[int, int]]:
