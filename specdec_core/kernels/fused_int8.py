@@ -123,7 +123,13 @@ def fuse_int8_projections(model: nn.Module) -> int:
     """Fuse q/k/v and gate/up wherever all of them are our int8 (or all our 4-bit) linears;
     returns how many groups."""
     fused = 0
-    for module in list(model.modules()):
+    # Names, not modules: a list of the modules would keep every replaced part alive until
+    # the last layer is fused, so the old and the fused weights would all be held at once.
+    for path in [name for name, _ in model.named_modules()]:
+        try:
+            module = model.get_submodule(path)
+        except AttributeError:
+            continue  # a part of an MLP fused away above
         names = ("q_proj", "k_proj", "v_proj")
         parts = [getattr(module, n, None) for n in names]
         if _same_kind(parts):

@@ -51,16 +51,24 @@ def prepare_as_stored(model: Any) -> None:
     repacked for the 4-bit kernel become its modules (the same bytes and kernel call), so they
     get what the int4 path gets: q/k/v and gate/up fused where their layouts match, 2 MB
     pages, one C call a layer. Attention is row-wise, as the block kernels are."""
-    for name, module in list(model.named_modules()):
-        int4 = module.as_int4() if isinstance(module, GGUFLinear) else None
-        if int4 is not None:
-            model.set_submodule(name, int4)
+    _repacked_as_int4(model)
     apply_fusion(model)
     return_freed_memory()  # the parts fusion copied: before the next copy, not after
     place_in_huge_pages(model.modules())
     make_batch_invariant(model)
     speed_up_layers(model)
     return_freed_memory()
+
+
+def _repacked_as_int4(model: Any) -> None:
+    """Each repacked GGUF linear replaced by int4_cpu's module over the same bytes. Its own
+    function, so no reference to a replaced module outlives it: the next steps copy the
+    bytes and free the old ones."""
+    names = [name for name, module in model.named_modules() if isinstance(module, GGUFLinear)]
+    for name in names:
+        int4 = model.get_submodule(name).as_int4()
+        if int4 is not None:
+            model.set_submodule(name, int4)
 
 
 def copy_out_of_checkpoint_file(model: Any) -> None:
