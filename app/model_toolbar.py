@@ -21,12 +21,17 @@ from . import catalog_info
 
 # What each precision costs in fidelity, shown on the precision menu's items.
 PRECISION_COSTS = {
-    "auto": "The fastest that fits. On the CPU a GGUF runs re-quantized to int4 unless its blocks run "
-    "as stored at that speed; the label beside the menu says which.",
+    "auto": "The fastest that fits. On the CPU a Q4_K_M GGUF runs as stored, other GGUFs re-quantized to "
+    "int4, and a bf16/fp16 folder as llama.cpp's Q4_K_M blocks where they run as fast; the label "
+    "beside the menu says which, and what it costs.",
     "gguf": "A GGUF file's own blocks, as stored: the weights in the file, nothing rounded again (CPU).",
     "int4": "Re-quantized to 4 bits at load (CPU, fastest): rounds the file's weights again, so answers "
     "drift slightly from the file's; `specdec eval` measures how far.",
     "int8": "Re-quantized to 8 bits at load (CPU): rounds the weights again; `specdec eval` measures how far.",
+    "q4_k_m": "A bf16/fp16 folder quantized once into llama.cpp's Q4_K_M blocks by llama.cpp's own "
+    "quantizers, cached, and measured against the folder when made: the label gives its KL (CPU).",
+    "q8_0": "A bf16/fp16 folder quantized once into llama.cpp's Q8_0 blocks, cached: near the source, "
+    "twice q4_k_m's bytes a step; the label gives its KL (CPU).",
     "fp32": "The source's weights exactly, widened to fp32: the reference, and the slowest.",
     "bf16": "Half precision: as stored for a bf16 checkpoint; a GGUF's or fp32 weights are rounded.",
     "fp16": "Half precision: as stored for an fp16 checkpoint; other weights are rounded.",

@@ -208,3 +208,11 @@ def test_token_index_finds_tokens_by_position_and_forgets_a_cut_tail():
         index.add(6, 8, a)
     index.cut(5)
     assert index.at(6) is None and len(index) == 1
+
+
+def test_every_precision_on_the_menu_says_what_it_costs():
+    from specdec_app.model_toolbar import PRECISION_COSTS
+
+    from specdec_core import PRECISIONS
+
+    assert set(PRECISIONS) <= set(PRECISION_COSTS)
