@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import struct
 import threading
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ from ..kernels import native
 from ..kernels.batch_invariant import make_batch_invariant
 from ..kernels.quant_cpu import int8_available
 from ..progress import Progress, ProgressCallback, check_cancelled
-from . import gguf_convert, gguf_native, hf_blocks
+from . import gguf_convert, gguf_native, hf_blocks, requant_probe
 from .cpu_backend import prepare_as_stored, prepare_for_cpu
 from .gguf_convert import metadata_folder
 from .gguf_file import GGUFFile, read_gguf
@@ -168,7 +169,7 @@ def load_model(
     if file is not None:
         stored = precision == AS_STORED or (precision == "auto" and as_stored and gguf_native.runs_fast(file))
         return _load_from_file(ref, file, AS_STORED if stored else precision, trust_remote_code,
-                               progress=progress, cancel=cancel)  # fmt: skip
+                               progress=progress, cancel=cancel, probe=as_stored)  # fmt: skip
     path = resolve_path(ref, progress=progress, cancel=cancel)
     config = load_config(path, ref, trust_remote_code)
     mix = _blocks_mix(path, config, ref, device, precision, as_stored)
@@ -188,9 +189,21 @@ def load_model(
         )
     check_cancelled(cancel)
     offloaded = any(str(d) in ("cpu", "disk") for d in (getattr(model, "hf_device_map", None) or {}).values())
+    fidelity = fidelity_label(path, config, precision)
+    if device == "cpu" and precision in requant_probe.MEASURED and as_stored:
+        fidelity = requant_probe.labelled(
+            fidelity, hf_blocks.cache_key(path, precision, progress=progress, cancel=cancel), precision, model,
+            tokenizer, reference=lambda: _reference(path, ref, trust_remote_code),
+            parameters=checkpoint_parameters(path, config), progress=progress,
+        )  # fmt: skip
     return LoadedModel(ref=ref, path=path, model=model, tokenizer=tokenizer, device=device,
                        precision=precision, offloaded=offloaded and device == "cuda",
-                       fidelity=fidelity_label(path, config, precision))  # fmt: skip
+                       fidelity=fidelity)  # fmt: skip
+
+
+def _reference(path: Path, ref: str, trust_remote_code: bool) -> Any:
+    """The folder's weights in fp32 with plain forwards: what a re-quantization is measured against."""
+    return _load_weights(path, ref, "cpu", "fp32", offload=False, trust_remote_code=trust_remote_code)
 
 
 def _blocks_mix(path: Path, config: Any, ref: str, device: str, precision: str, as_stored: bool) -> str | None:
@@ -280,10 +293,11 @@ def gguf_for_cpu(
 
 def _load_from_file(
     ref: str, file: GGUFFile, precision: str, trust_remote_code: bool, *,
-    progress: ProgressCallback | None, cancel: threading.Event | None,
+    progress: ProgressCallback | None, cancel: threading.Event | None, probe: bool = True,
 ) -> LoadedModel:  # fmt: skip
     """A GGUF on the CPU from its mapped blocks: as stored, or de-quantized in memory for
-    another precision (the values a conversion to fp32 would hold, with no copy on disk)."""
+    another precision (the values a conversion to fp32 would hold, with no copy on disk).
+    `probe`: a re-quantization's label carries its measured KL (requant_probe.py)."""
     meta = metadata_folder(file.path, label=Path(ref).name or ref, progress=progress, cancel=cancel)
     config = load_config(meta, ref, trust_remote_code)
     stored = precision == AS_STORED
@@ -304,6 +318,13 @@ def _load_from_file(
         raise OutOfMemory(f"out of memory loading {ref} at {precision} on cpu; {_oom_hint('cpu', precision)}") from exc
     check_cancelled(cancel)
     fidelity = gguf_native.fidelity(file, model) if stored else fidelity_label(meta, config, precision)
+    sha256 = (gguf_convert.read_marker(meta) or {}).get("sha256")
+    if probe and precision in requant_probe.MEASURED and isinstance(sha256, str):
+        fidelity = requant_probe.labelled(
+            fidelity, sha256, precision, model, tokenizer,
+            reference=lambda: gguf_native.build_model(file, config, as_stored=False),
+            parameters=sum(math.prod(info.dims) for info in file.tensors.values()), progress=progress,
+        )  # fmt: skip
     return LoadedModel(ref=ref, path=meta, model=model, tokenizer=tokenizer, device="cpu",
                        precision=precision, fidelity=fidelity)  # fmt: skip
 

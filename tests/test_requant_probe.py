@@ -1,0 +1,58 @@
+"""A re-quantization at load (CPU int4/int8 of a folder or a GGUF) is measured once against the
+source's weights in fp32, and every load's label carries the figure."""
+
+from __future__ import annotations
+
+import pytest
+from test_gguf_convert import write_tiny_llama_gguf
+
+from specdec_core.kernels import native
+from specdec_core.models import requant_probe
+from specdec_core.models.loading import load_model
+
+needs_kernel = pytest.mark.skipif(native.unavailable() is not None, reason=str(native.unavailable()))
+
+
+@pytest.fixture(autouse=True)
+def isolated_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))
+
+
+@pytest.mark.parametrize("precision", ["int8", pytest.param("int4", marks=needs_kernel)])
+def test_a_folder_re_quantized_says_its_measured_kl_and_measures_it_once(tiny_folder, precision, monkeypatch):
+    first = load_model(str(tiny_folder), device="cpu", precision=precision)
+    assert first.fidelity.startswith(f"re-quantized: {precision} from")
+    assert " (KL " in first.fidelity and first.fidelity.endswith(" on the probe)")
+
+    def measured_again(*args, **kwargs):
+        raise AssertionError("the probe ran a second time")
+
+    monkeypatch.setattr(requant_probe, "_measure", measured_again)
+    again = load_model(str(tiny_folder), device="cpu", precision=precision)
+    assert again.fidelity == first.fidelity
+
+
+@needs_kernel
+def test_a_gguf_re_quantized_says_its_measured_kl(tmp_path):
+    path = write_tiny_llama_gguf(tmp_path / "tiny.Q8_0.gguf", arch="qwen2")
+    loaded = load_model(str(path), device="cpu", precision="int4")
+    assert loaded.fidelity.startswith("re-quantized: int4 from") and " (KL " in loaded.fidelity
+
+
+def test_a_reference_too_big_for_memory_is_not_measured_and_the_label_says_so(tiny_folder, monkeypatch):
+    monkeypatch.setattr(requant_probe, "_available_bytes", lambda: 1024)
+    loaded = load_model(str(tiny_folder), device="cpu", precision="int8")
+    assert loaded.fidelity.endswith("(KL not measured: the fp32 reference would not fit in memory)")
+
+
+def test_a_draft_is_never_measured(tiny_folder, tmp_path):
+    load_model(str(tiny_folder), device="cpu", precision="int8", as_stored=False)
+    assert not (tmp_path / "cache" / "probes").exists()
+
+
+def test_a_probe_file_that_cannot_be_read_is_measured_again(tiny_folder, tmp_path):
+    first = load_model(str(tiny_folder), device="cpu", precision="int8")
+    (written,) = (tmp_path / "cache" / "probes").iterdir()
+    written.write_text("{not json")
+    again = load_model(str(tiny_folder), device="cpu", precision="int8")
+    assert again.fidelity == first.fidelity
