@@ -56,3 +56,13 @@ def test_a_probe_file_that_cannot_be_read_is_measured_again(tiny_folder, tmp_pat
     written.write_text("{not json")
     again = load_model(str(tiny_folder), device="cpu", precision="int8")
     assert again.fidelity == first.fidelity
+
+
+def test_the_cache_lists_and_clears_the_measured_probes(tiny_folder):
+    from specdec_core.tools.cache_admin import clear_cache, list_cache
+
+    load_model(str(tiny_folder), device="cpu", precision="int8")
+    probes = [item for item in list_cache() if item.kind == "probe"]
+    assert len(probes) == 1 and probes[0].path.suffix == ".json"
+    assert [item.path for item in clear_cache({"probe"})] == [probes[0].path]
+    assert not probes[0].path.exists()

@@ -33,8 +33,12 @@ MEASURED = ("int4", "int8")  # the precisions that round a source's weights agai
 _SHARE_OF_MEMORY = 0.5  # the fp32 reference may take at most this share of the memory available
 
 
+def probes_dir() -> Path:
+    return cache_dir() / "probes"
+
+
 def probe_path(source_key: str, precision: str) -> Path:
-    return cache_dir() / "probes" / f"{source_key[:16]}-{precision}.json"
+    return probes_dir() / f"{source_key[:16]}-{precision}.json"
 
 
 def labelled(

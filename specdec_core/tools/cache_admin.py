@@ -14,6 +14,7 @@ from ..kernels import kernel_files
 from ..models import hub
 from ..models.catalog import HubSource, PackageIndexSource, load_catalog
 from ..models.gguf_convert import is_converted, read_marker, usable_conversion
+from ..models.requant_probe import probes_dir
 from ..progress import ProgressCallback
 
 # --- listing and clearing -----------------------------------------------------------
@@ -42,6 +43,8 @@ def list_cache() -> list[CacheItem]:
         checked = " (source verified against the catalog)" if marker.get("source_verified") else ""
         source = Path(str(marker.get("source", "?"))).name
         items.append(CacheItem("converted", path, _tree_size(path), f"from {source}{checked}"))
+    for path in sorted(probes_dir().glob("*.json")):
+        items.append(CacheItem("probe", path, path.stat().st_size, "a re-quantization's measured KL"))
     for path in sorted(kernels_dir().glob("*.so")):
         items.append(CacheItem("kernel", path, path.stat().st_size, "CPU kernels, compiled here"))
     return items

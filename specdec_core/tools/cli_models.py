@@ -53,7 +53,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     fetch.add_argument("--list-cache", action="store_true", help="list what the cache holds")
     fetch.add_argument(
-        "--clear", nargs="?", const="all", choices=["all", "gguf", "converted", "partial", "kernel"],
+        "--clear", nargs="?", const="all", choices=["all", "gguf", "converted", "partial", "kernel", "probe"],
         help="delete cache items (all, or one kind)",
     )  # fmt: skip
     fetch.add_argument(
