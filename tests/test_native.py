@@ -257,3 +257,8 @@ def test_every_build_this_cpu_runs_computes_the_same_bits(monkeypatch, tmp_path)
     for name, other in zip(builds[1:], outputs[1:], strict=True):
         for index, (first, this) in enumerate(zip(outputs[0], other, strict=True)):
             assert torch.equal(first, this), (builds[0], name, index)
+
+
+def test_the_cpu_model_name_is_read_as_written_and_absent_where_not_listed():
+    assert cpu.model_name("processor\t: 0\nmodel name\t: AMD EPYC 7B13\nflags\t: avx2\n") == " AMD EPYC 7B13"
+    assert cpu.model_name("processor\t: 0\nFeatures\t: fp asimd\n") is None

@@ -56,6 +56,13 @@ def cpuinfo() -> str:
         return ""
 
 
+def model_name(text: str) -> str | None:
+    """The value of cpuinfo text's first `model name` line as written (its leading space
+    kept), or None where there is none (ARM, macOS)."""
+    line = next((ln for ln in text.splitlines() if ln.startswith("model name")), None)
+    return line.split(":", 1)[1] if line is not None and ":" in line else None
+
+
 def listed_flags(text: str) -> frozenset[str] | None:
     """The x86 `flags` line of cpuinfo text, or None where there is none (ARM, macOS)."""
     for line in text.splitlines():

@@ -36,6 +36,7 @@ from pathlib import Path
 
 from ...disk_cache import cache_dir
 from ...errors import SpecdecError
+from ...kernels import cpu
 from ...kernels.threads import default_governor
 from .methods import LLAMA_SERVER_DRAFT, PEER_METHODS, Run
 
@@ -77,12 +78,12 @@ def find_llama_server(explicit: Path | None = None) -> Path:
 def built_for_this_cpu() -> Path | None:
     """The llama-server `scripts/build-llama-cpp` built for this CPU model, if any. Its
     `--no-amx` build comes first: it is made only where the native one cannot run."""
-    try:
-        line = next(ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("model name"))
-    except (OSError, StopIteration):
+    name = cpu.model_name(cpu.cpuinfo())
+    if name is None:
         return None
-    cpu = hashlib.sha256((line.split(":", 1)[1] + "\n").encode()).hexdigest()[:12]
-    root = cache_dir() / "llama.cpp" / f"{LLAMA_CPP_VERSION}-{cpu}" / "src" / "vendor" / "llama.cpp"
+    # The script's key: sha256 of `cut -d: -f2-` of the line, with echo's newline.
+    key = hashlib.sha256((name + "\n").encode()).hexdigest()[:12]
+    root = cache_dir() / "llama.cpp" / f"{LLAMA_CPP_VERSION}-{key}" / "src" / "vendor" / "llama.cpp"
     for build in ("build-noamx", "build"):
         binary = root / build / "bin" / "llama-server"
         if binary.is_file():

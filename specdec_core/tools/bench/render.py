@@ -14,7 +14,7 @@ from typing import Any
 import psutil
 import torch
 
-from ...kernels import native
+from ...kernels import cpu, native
 from . import BenchReport, CostCurve, FusionGain, GroupSummary, LoadRun, Result, StepBytes, TargetCheck
 from .results import reference_of
 
@@ -52,13 +52,8 @@ def machine_line(machine: dict[str, Any]) -> str:
 
 
 def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    name = cpu.model_name(cpu.cpuinfo())
+    return name.strip() if name else platform.processor() or platform.machine()
 
 
 def _git_commit() -> str | None:
