@@ -44,11 +44,13 @@ from typing import Any
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
+from torch import nn
 
 from ..disk_cache import conversion_lock, converted_dir, file_sha256, sweep_stale_temporaries
-from ..engine.fidelity import measure
+from ..engine.fidelity import Fidelity, measure
 from ..errors import ModelLoadError
 from ..kernels import native
+from ..kernels.batch_invariant import plain_linears
 from ..kernels.gguf_quantize import quantize
 from ..progress import Progress, ProgressCallback, check_cancelled
 from . import gguf_convert, gguf_native
@@ -331,21 +333,27 @@ def probe_ids(tokenizer: Any) -> list[int]:
     return list(tokenizer(text)["input_ids"])[: PROBE_CHUNKS * PROBE_CTX]
 
 
+def measure_on_probe(model: nn.Module, reference: nn.Module, tokenizer: Any) -> Fidelity:
+    """`model` against `reference` (the source's weights in fp32) on the probe text, in chunks of
+    PROBE_CTX tokens or the model's context if shorter; the reference runs whole matmuls."""
+    plain_linears(reference)
+    ids = probe_ids(tokenizer)
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None) or PROBE_CTX
+    with torch.no_grad():
+        return measure(model, reference, ids, ctx=min(PROBE_CTX, limit, len(ids)))
+
+
 def measure_probe(folder: Path, config: Any, gguf_path: Path, mix: str) -> Probe:
     """The GGUF's model (as a load runs it) against the folder's weights in fp32, on the probe."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dtype = source_dtype(config)  # before building: from_config sets the config's dtype
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    ids = probe_ids(tokenizer)
-    ctx = min(PROBE_CTX, len(ids))
     quantized = gguf_native.build_model(read_gguf(gguf_path), config)
     source = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, use_kernels=False).eval()
-    with torch.no_grad():
-        result = measure(quantized, source, ids, ctx=ctx)
+    result = measure_on_probe(quantized, source, AutoTokenizer.from_pretrained(folder))
     return Probe(
         mix=MIXES[mix], source_dtype=dtype, kl_mean=result.kl_mean, kl_p99=result.kl_p99,
-        top1_agreement=result.top1_agreement, positions=result.scored, ctx=ctx,
+        top1_agreement=result.top1_agreement, positions=result.scored, ctx=result.ctx,
     )  # fmt: skip
 
 

@@ -2,8 +2,8 @@
 
 `int4` and `int8` on the CPU round a target's weights again at every load (a GGUF's
 blocks, a folder's bf16 values). The first such load of a source measures the rounded
-model against the source's weights in fp32 on the probe text (`hf_blocks.probe_ids`,
-`engine/fidelity.measure`, as the llama.cpp-block copies are measured) and keeps the
+model against the source's weights in fp32 on the probe text
+(`hf_blocks.measure_on_probe`, as the llama.cpp-block copies are measured) and keeps the
 figures in the cache (`probes/<source key[:16]>-<precision>.json`). Every load's fidelity
 label then carries them: `re-quantized: int4 from Q4_K_M (KL 0.0330 on the probe)`.
 
@@ -20,14 +20,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
 from ..disk_cache import cache_dir
-from ..engine.fidelity import measure
-from ..kernels.batch_invariant import plain_linears
 from ..progress import Progress, ProgressCallback
-from .hf_blocks import PROBE_CTX, probe_ids
+from .hf_blocks import measure_on_probe
 
 MEASURED = ("int4", "int8")  # the precisions that round a source's weights again at load
 _SHARE_OF_MEMORY = 0.5  # the fp32 reference may take at most this share of the memory available
@@ -60,11 +57,7 @@ def labelled(
 
 
 def _measure(model: nn.Module, reference: nn.Module, tokenizer: Any) -> dict[str, float]:
-    plain_linears(reference)  # a reference is never verified against steps: whole matmuls
-    ids = probe_ids(tokenizer)
-    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None) or PROBE_CTX
-    with torch.no_grad():
-        result = measure(model, reference, ids, ctx=min(PROBE_CTX, limit, len(ids)))
+    result = measure_on_probe(model, reference, tokenizer)
     return {
         "kl_mean": result.kl_mean, "kl_p99": result.kl_p99, "top1_agreement": result.top1_agreement,
         "positions": result.scored,
