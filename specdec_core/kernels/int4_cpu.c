@@ -662,8 +662,8 @@ int int4_linear(const uint8_t *w, int64_t n_out, int64_t k, const float *x, int6
  * Q6_K's K6. The same rules and results otherwise. */
 int int4_linear_repacked(const uint8_t *w, int64_t n_out, int64_t k, const float *x, int64_t rows,
                          const float *bias, float *y, int threads, int bits) {
-    if ((bits != 4 && bits != 6) || k % (K_GROUPS * GROUP)) return -1;
-    return linear(w, n_out, k, x, rows, bias, y, threads, bits | K_SCALES);
+    if (bits != 4 && bits != 6) return -1;
+    return int4_linear(w, n_out, k, x, rows, bias, y, threads, bits | K_SCALES);
 }
 
 /* The bytes gguf_repack writes for an [n_out, k] tensor in layout K4 (`bits` 4) or K6 (6). */

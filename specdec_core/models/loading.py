@@ -175,7 +175,8 @@ def load_model(
     mix = _blocks_mix(path, config, ref, device, precision, as_stored)
     if mix is not None:
         return _load_folder_as_blocks(ref, path, config, mix, trust_remote_code, progress=progress, cancel=cancel)
-    precision = resolve_precision(precision, device, checkpoint_parameters(path, config), offload=offload)
+    parameters = checkpoint_parameters(path, config)
+    precision = resolve_precision(precision, device, parameters, offload=offload)
     check_cancelled(cancel)
     if progress:
         progress(Progress(f"Loading {Path(ref).name or ref} ({device} · {precision})", 0, 0))
@@ -194,7 +195,7 @@ def load_model(
         fidelity = requant_probe.labelled(
             fidelity, hf_blocks.cache_key(path, precision, progress=progress, cancel=cancel), precision, model,
             tokenizer, reference=lambda: _reference(path, ref, trust_remote_code),
-            parameters=checkpoint_parameters(path, config), progress=progress,
+            parameters=parameters, progress=progress,
         )  # fmt: skip
     return LoadedModel(ref=ref, path=path, model=model, tokenizer=tokenizer, device=device,
                        precision=precision, offloaded=offloaded and device == "cuda",
@@ -318,8 +319,8 @@ def _load_from_file(
         raise OutOfMemory(f"out of memory loading {ref} at {precision} on cpu; {_oom_hint('cpu', precision)}") from exc
     check_cancelled(cancel)
     fidelity = gguf_native.fidelity(file, model) if stored else fidelity_label(meta, config, precision)
-    sha256 = (gguf_convert.read_marker(meta) or {}).get("sha256")
-    if probe and precision in requant_probe.MEASURED and isinstance(sha256, str):
+    sha256 = (gguf_convert.read_marker(meta) or {}).get("sha256") if probe else None
+    if precision in requant_probe.MEASURED and isinstance(sha256, str):
         fidelity = requant_probe.labelled(
             fidelity, sha256, precision, model, tokenizer,
             reference=lambda: gguf_native.build_model(file, config, as_stored=False),
