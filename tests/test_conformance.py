@@ -53,6 +53,17 @@ def drafters(draft_model) -> dict[str, object]:
     }
 
 
+def accepted_by_every_drafter(engine, draft_model, prompt, params, alone, what: str = "") -> int:
+    """Asserts that every drafter gives `alone`, the target alone's tokens; the drafts accepted."""
+    accepted = 0
+    for name, drafter in drafters(draft_model).items():
+        engine.set_drafter(drafter)
+        done = list(engine.generate(prompt, params))[-1]
+        assert list(done.token_ids) == alone, f"{what}{name} departs from the target alone"
+        accepted += done.stats.accepted
+    return accepted
+
+
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_every_drafter_reproduces_the_target_alone(tokenizer, arch, precision):
@@ -70,13 +81,7 @@ def test_every_drafter_reproduces_the_target_alone(tokenizer, arch, precision):
     # fp32: transformers' own decoding of the unmodified model; elsewhere of the model as
     # loaded (transformers' kernels then group tokens differently than plain steps).
     assert alone == hf_greedy(native if precision == "fp32" else target, prompt, NEW_TOKENS)
-    accepted = 0
-    for name, drafter in drafters(draft).items():
-        engine.set_drafter(drafter)
-        done = list(engine.generate(prompt, params))[-1]
-        assert list(done.token_ids) == alone, f"{name} departs from the target alone"
-        accepted += done.stats.accepted
-    assert accepted > 0  # speculation really ran
+    assert accepted_by_every_drafter(engine, draft, prompt, params, alone) > 0  # speculation really ran
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)

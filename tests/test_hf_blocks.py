@@ -288,7 +288,9 @@ def test_q8_0_blocks_hold_the_rows_convert_hf_to_gguf_writes_and_compute_near_th
 
 @needs_kernel
 def test_every_drafter_gives_the_target_alones_tokens_on_the_copy(wide_folder):
-    from specdec_core.engine.drafters import LookupThenModelDrafter, ModelDrafter, NgramDrafter, NoDrafter
+    from test_conformance import accepted_by_every_drafter
+
+    from specdec_core.engine.drafters import NoDrafter
     from specdec_core.engine.speculative import GenerationParams, SpeculativeEngine
     from specdec_core.models.loading import load_model
 
@@ -300,14 +302,7 @@ def test_every_drafter_gives_the_target_alones_tokens_on_the_copy(wide_folder):
     engine = SpeculativeEngine(target.model, target.tokenizer, NoDrafter())
     params = GenerationParams(max_new_tokens=24, draft_length=3)
     alone = list(list(engine.generate(prompt, params))[-1].token_ids)
-    drafters = {
-        "ngram": NgramDrafter(),
-        "model": ModelDrafter(draft, "draft"),
-        "lookup+model": LookupThenModelDrafter(ModelDrafter(draft, "draft")),
-    }
-    for name, drafter in drafters.items():
-        engine.set_drafter(drafter)
-        assert list(list(engine.generate(prompt, params))[-1].token_ids) == alone, name
+    accepted_by_every_drafter(engine, draft, prompt, params, alone)
 
 
 # --- bad input -------------------------------------------------------------------------------
