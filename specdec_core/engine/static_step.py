@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 
 TARGET_ROWS = 16  # one verify of up to 15 drafts after the last committed token
 FIRST_CAPACITY = 256
-_FULL, _SLIDING = "full_attention", "sliding_attention"
+_FULL = "full_attention"
 
 
 def static_refusal(model: torch.nn.Module) -> str | None:
