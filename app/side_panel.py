@@ -49,6 +49,12 @@ def answer_footer(stats: GenerationStats, draft_name: str) -> str:
     return " · ".join(parts)
 
 
+EXACTNESS_TIP = (
+    "Checked when the model loaded: the widest verify the engine issues, compared row by row "
+    "with plain target steps at every thread count the engine may use"
+)
+
+
 class GaugePanel(QWidget):
     """tokens/s, acceptance and speedup gauges, mean accepted length, current k, a sparkline."""
 
@@ -76,10 +82,7 @@ class GaugePanel(QWidget):
         self.footer.setAlignment(Qt.AlignmentFlag.AlignTop | Qt.AlignmentFlag.AlignLeft)
         self.exactness = QLabel("", objectName="exactnessLabel")  # the loaded pair's self-check
         self.exactness.setWordWrap(True)
-        self.exactness.setToolTip(
-            "Checked when the model loaded: the widest verify the engine issues, compared row by row "
-            "with plain target steps at every thread count the engine may use"
-        )
+        self.exactness.setToolTip(EXACTNESS_TIP)
 
         grid = QGridLayout()
         grid.addWidget(self.tokens_per_second, 0, 0)

@@ -36,7 +36,7 @@ from .conversations import Conversation, ConversationStore
 from .model_controller import ModelController
 from .model_toolbar import ModelToolbar
 from .settings import AppSettings
-from .side_panel import SidePanel
+from .side_panel import EXACTNESS_TIP, SidePanel
 from .token_view import TokenView
 from .widgets import EditBanner, ErrorBanner, LoadPanel, PromptBox, ProvenanceLegend, SystemPromptDialog
 from .worker import EngineThread, EngineWorker
@@ -289,7 +289,9 @@ class MainWindow(QMainWindow):
         else:
             label = f"Exactness: {info.exactness.summary() if info.exactness else 'not checked'}"
         self.side.gauges.exactness.setText(label)
-        self.speculation_action.setToolTip(f"{SPECULATION_TIP}\n{label}")
+        step = f"\nStep: {info.step}" if info.step else ""  # CUDA: how the forwards run
+        self.side.gauges.exactness.setToolTip(f"{EXACTNESS_TIP}{step}")
+        self.speculation_action.setToolTip(f"{SPECULATION_TIP}\n{label}{step}")
 
     def _on_speculation_toggled(self, on: bool) -> None:
         self.worker.set_speculation(on)  # thread-safe: read by the engine at its next step

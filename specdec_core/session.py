@@ -41,6 +41,7 @@ from .engine.drafters import NGRAM
 from .engine.events import DoneEvent, Event
 from .engine.selfcheck import ExactnessReport, check_exactness
 from .engine.speculative import MAX_DRAFT_LENGTH, GenerationParams, SpeculativeEngine
+from .engine.static_step import step_label
 from .errors import (
     ContextTooLong,
     IncompatibleDraftError,
@@ -98,6 +99,7 @@ class SessionInfo:
     draft_precision: str = ""  # the draft model's ("int8/int4": 4-bit steps; "int4 (int8 reads)"); "" without one
     server: ServerInfo | None = None  # a served engine: what it is and reports (None: in-process)
     fidelity: str = ""  # the target's weights against its source's, e.g. "as stored (Q4_K_M)"
+    step: str = ""  # how the target's forwards run on CUDA (static_step.step_label); "" on the CPU
 
 
 class ChatSession:
@@ -443,6 +445,7 @@ class ChatSession:
             precision=target.precision,
             draft_precision=pair.draft.precision if pair.draft is not None else "",
             fidelity=target.fidelity,
+            step=step_label(pair.engine.target),
         )
 
 

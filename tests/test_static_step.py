@@ -19,7 +19,7 @@ from specdec_core.engine.kvcache import CachedModel
 from specdec_core.engine.sampling import SamplingParams
 from specdec_core.engine.selfcheck import check_exactness
 from specdec_core.engine.speculative import GenerationParams, SpeculativeEngine
-from specdec_core.engine.static_step import StaticRunner, runner_for, static_refusal
+from specdec_core.engine.static_step import StaticRunner, runner_for, static_refusal, step_label
 from specdec_core.errors import NumericalError
 from specdec_core.kernels import attention_static
 from specdec_core.kernels.attention_static import masked_reference
@@ -173,6 +173,13 @@ def test_the_cpu_keeps_its_own_runner_and_the_step_refuses_what_it_cannot_run():
     assert static_refusal(model) == "its linear_attention layers"
     with pytest.raises(ValueError, match="cannot run this model: its linear_attention layers"):
         StaticRunner(model)
+
+
+def test_the_step_label_says_how_forwards_run():
+    model = arch_model("qwen2", 128)
+    assert step_label(CachedModel(model)) == ""  # the CPU's own runner needs no word
+    runner = StaticRunner(model, rows=(1, 4), capacity=8)
+    assert step_label(runner) == "fixed-shape step (4 rows, eager: not on CUDA)"
 
 
 def test_bad_input_and_overflow_are_one_line_errors_that_lose_nothing():

@@ -64,6 +64,18 @@ def runner_for(model: torch.nn.Module, draft: bool = False) -> CachedModel | Sta
     return StaticRunner(model, rows=(1, TARGET_ROWS) if draft else (TARGET_ROWS,))
 
 
+def step_label(runner: object) -> str:
+    """How a runner's forwards run, for the session's info: "" for the CPU's own runner."""
+    if isinstance(runner, StaticRunner):
+        how = "CUDA graphs" if runner.graphs else f"eager: {runner.graphs_off}"
+        nf4 = f", {runner.nf4_row_kernels} nf4 linears read as stored" if runner.nf4_row_kernels else ""
+        return f"fixed-shape step ({runner.rows[-1]} rows, {how}{nf4})"
+    if isinstance(runner, CachedModel) and runner.device.type == "cuda":
+        why = static_refusal(runner.model) or "turned off (SPECDEC_STATIC_STEP=0)"
+        return f"transformers' forward (no fixed-shape step: {why})"
+    return ""
+
+
 class StaticRunner:
     """`model` behind a static KV cache, run at fixed row counts (module doc).
 
