@@ -1,0 +1,86 @@
+"""4-bit linears side by side: bitsandbytes nf4 as loaded against torchao's int4 weight-only.
+
+The linears of one decoder layer of the loaded nf4 model (attention and MLP projections)
+are timed at 1 and 16 rows, once as bitsandbytes runs them and once re-quantized from
+their dequantized weights with torchao's `Int4WeightOnlyConfig(group_size=128)` (the
+tinygemm kernel); on CUDA each set is captured as one CUDA graph and replayed, so launch
+costs are the same for both. Times are per layer, and times the layer count per step.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from .report import Skip
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _layer_linears(model: Any) -> list[Any]:
+    layer = model.model.layers[0]
+    found = dict(layer.named_modules())
+    return [
+        found[f"{part}.{name}"]
+        for part in ("self_attn", "mlp")
+        for name in PROJECTIONS
+        if f"{part}.{name}" in found
+    ]
+
+
+def _dequantized(linear: Any) -> torch.nn.Linear:
+    import bitsandbytes.functional as bnbf
+
+    weight = bnbf.dequantize_4bit(linear.weight.data, linear.weight.quant_state).to(torch.bfloat16)
+    plain = torch.nn.Linear(
+        weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=torch.bfloat16
+    )
+    plain.weight.data.copy_(weight)
+    return plain
+
+
+def _replay_ms(linears: list[Any], rows: int, repeats: int = 20) -> float:
+    """Median ms of all `linears` applied once each to `rows` rows, as one CUDA graph."""
+    inputs = [torch.randn(rows, m.in_features, device="cuda", dtype=torch.bfloat16) for m in linears]
+
+    def run() -> None:
+        for module, x in zip(linears, inputs, strict=True):
+            module(x)
+
+    with torch.inference_mode():
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            run()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+        times = []
+        for _ in range(repeats):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            graph.replay()
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def side_by_side(model: Any) -> dict[str, Any]:
+    """Per-layer linear times at 1 and 16 rows, bitsandbytes nf4 vs torchao int4 (module doc)."""
+    try:
+        from torchao.quantization import Int4WeightOnlyConfig, quantize_
+    except ImportError as exc:
+        raise Skip(f"torchao does not import here: {exc}") from exc
+    layers = int(model.config.num_hidden_layers)
+    nf4 = _layer_linears(model)
+    int4 = torch.nn.ModuleList(_dequantized(m) for m in nf4)
+    quantize_(int4, Int4WeightOnlyConfig(group_size=128))
+    found: dict[str, Any] = {"layers": layers, "linears_per_layer": len(nf4)}
+    for rows in (1, 16):
+        found[f"nf4_layer_ms_rows{rows}"] = _replay_ms(nf4, rows)
+        found[f"torchao_int4_layer_ms_rows{rows}"] = _replay_ms(list(int4), rows)
+    return found
