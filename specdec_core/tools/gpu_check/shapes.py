@@ -39,9 +39,13 @@ def save_random(folder: Path, shape: dict[str, Any], device: str, seed: int = 0)
         **shape, max_position_embeddings=4096, bos_token_id=None, eos_token_id=None, pad_token_id=0
     )
     torch.manual_seed(seed)
-    with torch.device(device):
-        model: Any = Qwen2ForCausalLM(config)
-        model = model.to(torch.bfloat16)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # drawn in bf16: a 7B never exists in fp32
+    try:
+        with torch.device(device):
+            model = Qwen2ForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
     model.save_pretrained(folder)
     del model
     vocab = {f"w{i}": i for i in range(shape["vocab_size"] - SPARE_IDS)}
