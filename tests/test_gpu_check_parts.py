@@ -10,10 +10,13 @@ import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare
-from tiny import tiny_model
+from tiny import perturbed, tiny_model
 
+from specdec_core.engine.drafters import ModelDrafter
+from specdec_core.engine.speculative import GenerationParams, SpeculativeEngine
 from specdec_core.engine.stats import expected_tokens
-from specdec_core.tools.gpu_check.acceptance import AcceptanceCounts
+from specdec_core.tools.gpu_check.acceptance import AcceptanceCounts, measure
+from specdec_core.tools.gpu_check.identity import last
 from specdec_core.tools.gpu_check.projection import project
 from specdec_core.tools.gpu_check.report import Check, Skip
 from specdec_core.tools.gpu_check.sampling_check import pearson_p_value
@@ -34,6 +37,16 @@ def test_acceptance_stops_at_the_first_position_never_reached():
     counts = AcceptanceCounts(k=3)
     counts.record(proposed=3, accepted=0)
     assert counts.per_position == [0.0]
+
+
+def test_measured_acceptance_of_one_answer_is_the_engines_own(tokenizer, target):
+    engine = SpeculativeEngine(target, tokenizer, ModelDrafter(perturbed(target, 0.05), "p"))
+    prompt = tokenizer("def add(a, b):")["input_ids"]
+    counts = measure(engine, [prompt], new_tokens=40, k=6)
+    params = GenerationParams(max_new_tokens=40, draft_length=6, max_draft_length=6)
+    stats = last(engine.generate(prompt, params)).stats
+    assert counts.per_position == pytest.approx(list(stats.per_position_acceptance))
+    assert counts.verifies == stats.steps and counts.new_tokens == stats.new_tokens
 
 
 def test_the_projection_takes_the_best_draft_length_from_the_measured_costs():
