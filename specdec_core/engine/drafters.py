@@ -31,9 +31,10 @@ import torch
 from ..kernels.int4_cpu import output_head
 from .adaptive import ConfidenceCalibration, CostModel, DraftLengthController
 from .draft_vocab import RankedHead, VocabTiers
-from .kvcache import CachedModel
+from .kvcache import Runner
 from .policy import PLAIN, Choice, SourcePolicy
 from .sampling import SamplingParams, sample
+from .static_step import runner_for
 
 # Draft specs that need no model (the DraftSpec parser and the UI use these names).
 NGRAM = "ngram"
@@ -95,7 +96,7 @@ class DraftStrategy(Protocol):
 
     def reset(self) -> None: ...
 
-    def runners(self) -> tuple[CachedModel, ...]: ...
+    def runners(self) -> tuple[Runner, ...]: ...
 
     def seconds_per_token(self) -> float: ...
 
@@ -125,7 +126,7 @@ class NoDrafter:
     def reset(self) -> None:
         pass
 
-    def runners(self) -> tuple[CachedModel, ...]:
+    def runners(self) -> tuple[Runner, ...]:
         return ()
 
     def seconds_per_token(self) -> float:
@@ -162,7 +163,7 @@ class NgramDrafter:
             self.reset()  # a different conversation: start over
         self._tokens.extend(tokens[len(self._tokens) :])
 
-    def runners(self) -> tuple[CachedModel, ...]:
+    def runners(self) -> tuple[Runner, ...]:
         return ()
 
     def seconds_per_token(self) -> float:
@@ -231,7 +232,7 @@ class ModelDrafter:
 
     def __init__(self, model: torch.nn.Module, name: str = "draft", vocab_size: int | None = None) -> None:
         self.name = name
-        self.runner = CachedModel(model)
+        self.runner = runner_for(model, draft=True)
         # The target's vocabulary size: a draft with extra rows never proposes ids
         # the target cannot score, and its q is padded to the target's V.
         self.vocab_size = vocab_size
@@ -286,7 +287,7 @@ class ModelDrafter:
         self.window_start = max(0, len(tokens) - self.window)
         return tokens[self.window_start :], 0
 
-    def runners(self) -> tuple[CachedModel, ...]:
+    def runners(self) -> tuple[Runner, ...]:
         return (self.runner,)
 
     def seconds_per_token(self) -> float:
@@ -466,7 +467,7 @@ class LookupThenModelDrafter:
         self._step = _Step(PLAIN, 0, [])
 
     @property
-    def runner(self) -> CachedModel:
+    def runner(self) -> Runner:
         return self.model.runner
 
     def start(self, plan: DraftPlan) -> None:
@@ -483,7 +484,7 @@ class LookupThenModelDrafter:
         self.model.sync(tokens)
         self.lookup_drafter.sync(tokens)
 
-    def runners(self) -> tuple[CachedModel, ...]:
+    def runners(self) -> tuple[Runner, ...]:
         return self.model.runners()
 
     def seconds_per_token(self) -> float:

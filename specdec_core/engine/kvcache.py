@@ -18,7 +18,7 @@ Two things make that rollback exact on every architecture:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from transformers import DynamicCache
@@ -90,6 +90,27 @@ def layer_lengths(cache: DynamicCache) -> list[int]:
     ]
 
 
+class Runner(Protocol):
+    """A model plus the cache of one token sequence: `CachedModel` or `static_step.StaticRunner`."""
+
+    model: torch.nn.Module
+    ids: list[int]
+    forwards: int
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def reset(self) -> None: ...
+
+    def crop(self, length: int) -> None: ...
+
+    def sync(self, tokens: Sequence[int]) -> int: ...
+
+    def synchronize(self) -> None: ...
+
+    def forward(self, new_ids: Sequence[int], logits_to_keep: int) -> torch.Tensor: ...
+
+
 class CachedModel:
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
@@ -122,10 +143,7 @@ class CachedModel:
 
     def sync(self, tokens: Sequence[int]) -> int:
         """Crop to the longest cached prefix of `tokens`; return its length."""
-        n = 0
-        limit = min(len(self.ids), len(tokens))
-        while n < limit and self.ids[n] == tokens[n]:
-            n += 1
+        n = shared_prefix(self.ids, tokens)
         self.crop(n)
         return n
 
@@ -157,12 +175,30 @@ class CachedModel:
             assert all(n == len(self.ids) for n in lengths), f"cache holds {lengths} for {len(self.ids)} ids"
         # Logits upcast to fp32 before comparing/sampling (as transformers does).
         logits = raw[0].float()
-        # max() propagates NaN and +inf: one reduction guards the whole tensor.
-        if not torch.isfinite(logits.max()):
+        if not is_finite(logits):
             self.reset()
-            raise NumericalError(
-                f"{getattr(self.model.config, 'name_or_path', '') or 'the model'} produced inf/NaN logits "
-                f"at {str(self.model.dtype).removeprefix('torch.')} (fp16 overflows on some models); "
-                "load it at bf16 or fp32"
-            )
+            raise overflow_error(self.model)
         return logits
+
+
+def shared_prefix(cached: Sequence[int], tokens: Sequence[int]) -> int:
+    """How many leading tokens `cached` and `tokens` share."""
+    n = 0
+    limit = min(len(cached), len(tokens))
+    while n < limit and cached[n] == tokens[n]:
+        n += 1
+    return n
+
+
+def is_finite(logits: torch.Tensor) -> bool:
+    # max() propagates NaN and +inf: one reduction guards the whole tensor.
+    return bool(torch.isfinite(logits.max()))
+
+
+def overflow_error(model: torch.nn.Module) -> NumericalError:
+    """The one-line error for a forward whose logits hold inf/NaN."""
+    return NumericalError(
+        f"{getattr(model.config, 'name_or_path', '') or 'the model'} produced inf/NaN logits "
+        f"at {str(model.dtype).removeprefix('torch.')} (fp16 overflows on some models); "
+        "load it at bf16 or fp32"
+    )

@@ -60,7 +60,7 @@ from ..kernels.threads import ThreadGovernor, default_governor
 from .speculative import MAX_DRAFT_LENGTH
 
 if TYPE_CHECKING:
-    from .kvcache import CachedModel
+    from .kvcache import Runner
     from .speculative import SpeculativeEngine
 
 BITWISE = "bitwise"
@@ -195,7 +195,7 @@ class _Comparison:
 
 
 def _compare(
-    runner: CachedModel,
+    runner: Runner,
     context: list[int],
     tail: list[int],
     governor: ThreadGovernor,
@@ -222,7 +222,7 @@ def _compare(
 
 
 def _plain_steps(
-    runner: CachedModel, context_tokens: int, tail: list[int], in_budget: Callable[[], bool]
+    runner: Runner, context_tokens: int, tail: list[int], in_budget: Callable[[], bool]
 ) -> torch.Tensor:
     """One-token steps over `tail` after the context, as far as the budget goes -> [<= m, V]."""
     runner.crop(context_tokens)
@@ -234,7 +234,7 @@ def _plain_steps(
     return torch.stack(steps) if steps else torch.empty(0)
 
 
-def _split(runner: CachedModel, context_tokens: int, tail: list[int]) -> torch.Tensor:
+def _split(runner: Runner, context_tokens: int, tail: list[int]) -> torch.Tensor:
     """The verify again as _SPLIT rows, then the rest -> [m, V]."""
     runner.crop(context_tokens)
     parts = (tail[:_SPLIT], tail[_SPLIT:])
@@ -249,7 +249,7 @@ def _choices(governor: ThreadGovernor) -> list[int]:
 
 
 def _other_thread_counts(
-    runner: CachedModel,
+    runner: Runner,
     context_tokens: int,
     tail: list[int],
     verify: torch.Tensor,

@@ -34,8 +34,9 @@ from .adaptive import CostModel
 from .detok import IncrementalDetokenizer
 from .drafters import EMPTY_DRAFT, NONE, Draft, DraftPlan, DraftStrategy, NoDrafter
 from .events import DoneEvent, Event, PrefillEvent, ReadingEvent, Source, StepEvent, TokenEvent
-from .kvcache import CachedModel
+from .kvcache import Runner
 from .sampling import SamplingParams
+from .static_step import runner_for
 from .stats import GenerationStats, StatsAccumulator
 
 # Prompt tokens per target forward while reading a long prompt. Between chunks the engine
@@ -85,8 +86,10 @@ class SpeculativeEngine:
         tokenizer: Any,
         drafter: DraftStrategy | None = None,
         stop_token_ids: Iterable[int] = (),
+        runner: Runner | None = None,
     ) -> None:
-        self.target = CachedModel(target)
+        # On CUDA the fixed-shape step (static_step.py); `runner` overrides, over `target`.
+        self.target: Runner = runner or runner_for(target)
         self.tokenizer = tokenizer
         self.drafter: DraftStrategy = drafter or NoDrafter()
         self.stop_token_ids = frozenset(stop_token_ids)
@@ -216,8 +219,11 @@ class SpeculativeEngine:
         """Prompt tokens per forward, or None for the whole prompt in one.
 
         Chunks give the numbers of one forward only where no row depends on the others:
-        on the CPU, whose kernels are row-wise, once the self-check has measured a verify
-        bitwise equal to plain steps. A GPU's kernels choose their tiling by row count."""
+        in the fixed-shape step (static_step.py) by construction; on the CPU, whose kernels
+        are row-wise, once the self-check has measured a verify bitwise equal to plain
+        steps. Elsewhere a GPU's kernels choose their tiling by row count."""
+        if getattr(self.target, "row_invariant", False):
+            return self.prefill_chunk
         report = self.exactness
         if report is None or not report.bitwise or self.target.device.type != "cpu":
             return None
@@ -338,7 +344,7 @@ class SpeculativeEngine:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
 
-def _time_forward(runner: CachedModel, context: list[int], m: int) -> float:
+def _time_forward(runner: Runner, context: list[int], m: int) -> float:
     """Seconds of one forward of m tokens after the cached context (a verify of m - 1 drafts)."""
     runner.crop(len(context))
     runner.synchronize()  # CUDA runs kernels asynchronously: time the forward, not its launch
