@@ -20,6 +20,7 @@ from specdec_core.tools.gpu_check.identity import last
 from specdec_core.tools.gpu_check.projection import project
 from specdec_core.tools.gpu_check.report import Check, Skip
 from specdec_core.tools.gpu_check.sampling_check import pearson_p_value
+from specdec_core.tools.gpu_check.summary import update
 from specdec_core.tools.gpu_check.timing import bytes_read_per_step
 
 
@@ -116,3 +117,29 @@ def test_a_part_is_recorded_done_skipped_failed_or_cut_and_saved_each_time(tmp_p
     assert (saved["c"]["status"], saved["c"]["why"]) == ("failed", "RuntimeError: kernel said no")
     assert saved["d"]["status"] == "cut" and saved["d"]["first"] == 2.0  # kept what it measured
     assert saved["e"]["status"] == "skipped" and "time budget" in saved["e"]["why"]
+
+
+def test_the_summary_sets_each_baseline_against_the_projected_cost_per_token():
+    static = [10.0 + 0.2 * m for m in range(16)]
+    parts = {
+        "draft": {"static_ms": 2.0},
+        "costs-p": {
+            "static_ms": static,
+            "cached_model_ms": [3 * v for v in static],
+            "bound_ms": 5.0,
+            "static_r1_plain_ms": 8.0,
+        },
+        "hf-eager-p": {"ms_per_token": 40.0, "verify_ms": [4 * v for v in static], "draft_ms": 8.0},
+    }
+    results = {"parts": parts}
+    accepted = [0.8] * 15
+    update(results, {"bf16": accepted}, {"p": "bf16"})
+    row = results["summary"]["p"]
+    ours = project(accepted, 2.0, dict(enumerate(static, 1)), static[0])
+    assert row["projected"]["speedup"] == pytest.approx(ours.speedup)
+    assert row["plain_over_bound"] == pytest.approx(2.0) and row["r16_over_r1"] == pytest.approx(1.25)
+    assert row["verify9_over_plain"] == pytest.approx(static[8] / static[0])
+    assert row["vs_hf_eager"] == pytest.approx(40.0 / ours.ms_per_token)
+    assert row["vs_hf_assisted_ceiling"] == pytest.approx(4.0)  # every cost of theirs is 4x ours
+    assert "vs_hf_compiled" not in row  # never measured: never made up
+    assert row["speedup_if_all_accepted"] > ours.speedup

@@ -72,6 +72,6 @@ def test_the_summary_projects_each_pair_against_every_baseline(results):
         row = results["summary"][pair]
         assert "missing" not in row, row
         for figure in ("plain_over_bound", "r16_over_r1", "verify9_over_plain", "draft_over_target_step",
-                       "vs_hf_eager", "vs_hf_assisted", "vs_hf_assisted_ceiling"):  # fmt: skip
+                       "vs_hf_eager", "vs_hf_assisted", "vs_hf_assisted_ceiling", "speedup_if_all_accepted"):  # fmt: skip
             assert row[figure] > 0, figure
         assert row["projected"]["speedup"] > 0 and 0 <= row["projected"]["k"] <= WIDTHS - 1
