@@ -1,10 +1,11 @@
 """4-bit linears side by side: bitsandbytes nf4 as loaded against torchao's int4 weight-only.
 
 The linears of one decoder layer of the loaded nf4 model (attention and MLP projections)
-are timed at 1 and 16 rows, once as bitsandbytes runs them and once re-quantized from
-their dequantized weights with torchao's `Int4WeightOnlyConfig(group_size=128)` (the
-tinygemm kernel); on CUDA each set is captured as one CUDA graph and replayed, so launch
-costs are the same for both. Times are per layer, and times the layer count per step.
+are timed at 1 and 16 rows: once as the loaded model runs them (the bitsandbytes weight
+dequantized whole, then the matmul: `batch_invariant._DequantizedBnb`), once re-quantized
+from their dequantized weights with torchao's `Int4WeightOnlyConfig(group_size=128)` (the
+tinygemm kernel). Each set is captured as one CUDA graph and replayed, so launch costs
+are alike. Times are per layer; the layer count is recorded beside them.
 """
 
 from __future__ import annotations
