@@ -25,7 +25,8 @@ QWEN_7B = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, 
 # The smoke run's stand-ins: the same family, shapes small enough for a CPU in seconds.
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True)  # fmt: skip
-TINY_BIG = dict(TINY, hidden_size=128, intermediate_size=256, tie_word_embeddings=False)
+# Untied and with more embedding rows than the draft, as the 7B is against the 0.5B.
+TINY_BIG = dict(TINY, hidden_size=128, intermediate_size=256, tie_word_embeddings=False, vocab_size=576)
 
 REAL = {"qwen2.5-0.5b": QWEN_05B, "qwen2.5-1.5b": QWEN_15B, "qwen2.5-7b": QWEN_7B}
 SMOKE = {"qwen2.5-0.5b": TINY, "qwen2.5-1.5b": TINY, "qwen2.5-7b": TINY_BIG}
