@@ -70,6 +70,15 @@ def _replay_ms(linears: list[Any], rows: int, repeats: int = 20) -> float:
     return statistics.median(times)
 
 
+def _tinygemm_config(config: Any) -> Any:
+    """Int4 weight-only in tinygemm's packing (a kernel in torch itself); older torchao has
+    no packing argument and packs so by default."""
+    try:
+        return config(group_size=128, int4_packing_format="tile_packed_to_4d")
+    except TypeError:
+        return config(group_size=128)
+
+
 def side_by_side(model: Any) -> dict[str, Any]:
     """Per-layer linear times at 1 and 16 rows, bitsandbytes nf4 vs torchao int4 (module doc)."""
     try:
@@ -79,7 +88,7 @@ def side_by_side(model: Any) -> dict[str, Any]:
     layers = int(model.config.num_hidden_layers)
     nf4 = _layer_linears(model)
     int4 = torch.nn.ModuleList(_dequantized(m) for m in nf4)
-    quantize_(int4, Int4WeightOnlyConfig(group_size=128))
+    quantize_(int4, _tinygemm_config(Int4WeightOnlyConfig))
     found: dict[str, Any] = {"layers": layers, "linears_per_layer": len(nf4)}
     for rows in (1, 16):
         found[f"nf4_layer_ms_rows{rows}"] = _replay_ms(nf4, rows)
