@@ -33,13 +33,17 @@ def _layer_linears(model: Any) -> list[Any]:
 
 
 def _dequantized(linear: Any) -> torch.nn.Linear:
+    """A bf16 linear holding a bitsandbytes 4-bit linear's weight (dequantized) and bias."""
     import bitsandbytes.functional as bnbf
 
     weight = bnbf.dequantize_4bit(linear.weight.data, linear.weight.quant_state).to(torch.bfloat16)
+    bias = linear.bias is not None
     plain = torch.nn.Linear(
-        weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=torch.bfloat16
+        weight.shape[1], weight.shape[0], bias=bias, device=weight.device, dtype=torch.bfloat16
     )
     plain.weight.data.copy_(weight)
+    if bias:
+        plain.bias.data.copy_(linear.bias.data)
     return plain
 
 
