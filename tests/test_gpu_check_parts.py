@@ -148,12 +148,12 @@ def test_the_summary_sets_each_baseline_against_the_projected_cost_per_token():
 def test_the_int4_side_by_side_takes_one_layers_seven_linears_and_their_nf4_weights(tiny_folder):
     pytest.importorskip("bitsandbytes")
     from specdec_core.models.loading import load_model
-    from specdec_core.tools.gpu_check.int4_kernels import _dequantized, _layer_linears
+    from specdec_core.tools.gpu_check.int4_kernels import dequantized, layer_linears
 
     model = load_model(str(tiny_folder), device="cpu", precision="nf4").model
-    linears = _layer_linears(model)
+    linears = layer_linears(model)
     assert len(linears) == 7
     x = torch.randn(3, linears[0].in_features, dtype=torch.bfloat16)
     with torch.no_grad():
-        plain = _dequantized(linears[0])
+        plain = dequantized(linears[0])
         torch.testing.assert_close(plain(x).float(), linears[0](x).float(), rtol=2e-2, atol=2e-2)

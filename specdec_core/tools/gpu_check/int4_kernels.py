@@ -21,7 +21,8 @@ from .report import Skip
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def _layer_linears(model: Any) -> list[Any]:
+def layer_linears(model: Any) -> list[Any]:
+    """The first decoder layer's attention and MLP projections, as the model holds them."""
     layer = model.model.layers[0]
     found = dict(layer.named_modules())
     return [
@@ -32,7 +33,7 @@ def _layer_linears(model: Any) -> list[Any]:
     ]
 
 
-def _dequantized(linear: Any) -> torch.nn.Linear:
+def dequantized(linear: Any) -> torch.nn.Linear:
     """A bf16 linear holding a bitsandbytes 4-bit linear's weight (dequantized) and bias."""
     import bitsandbytes.functional as bnbf
 
@@ -90,8 +91,8 @@ def side_by_side(model: Any) -> dict[str, Any]:
     except ImportError as exc:
         raise Skip(f"torchao does not import here: {exc}") from exc
     layers = int(model.config.num_hidden_layers)
-    nf4 = _layer_linears(model)
-    int4 = torch.nn.ModuleList(_dequantized(m) for m in nf4)
+    nf4 = layer_linears(model)
+    int4 = torch.nn.ModuleList(dequantized(m) for m in nf4)
     quantize_(int4, _tinygemm_config(Int4WeightOnlyConfig))
     found: dict[str, Any] = {"layers": layers, "linears_per_layer": len(nf4)}
     for rows in (1, 16):
