@@ -35,13 +35,14 @@ from transformers.cache_utils import Cache, StaticLayer
 
 from ..kernels import attention_static
 from ..kernels.batch_invariant import plain_linears, rowwise_refusal
+from ..kernels.nf4_rows import use_row_kernels
 from .kvcache import CachedModel, is_finite, overflow_error, shared_prefix
 
 log = logging.getLogger(__name__)
 
 TARGET_ROWS = 16  # one verify of up to 15 drafts after the last committed token
 FIRST_CAPACITY = 256
-_FULL, _SLIDING = "full_attention", "sliding_attention"
+_FULL = "full_attention"
 
 
 def static_refusal(model: torch.nn.Module) -> str | None:
@@ -89,8 +90,10 @@ class StaticRunner:
         pretrained.set_attn_implementation(attention_static.NAME)
         if pretrained.config._attn_implementation != attention_static.NAME:  # transformers only warns
             raise ValueError("the fixed-shape step cannot run this model: its attention is not pluggable")
+        self.nf4_row_kernels = 0  # nf4 linears read as stored (nf4_rows.py): on CUDA
         if self.device.type == "cuda":
             plain_linears(model)  # one shape per forward already: fixed-rows chunks would only cost
+            self.nf4_row_kernels = use_row_kernels(model)
         self.graphs = self.device.type == "cuda" and os.environ.get("SPECDEC_CUDA_GRAPHS") != "0"
         self.graphs_off = "" if self.graphs else "not on CUDA"
         self._pool: Any = None

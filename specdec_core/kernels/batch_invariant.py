@@ -202,7 +202,7 @@ def dequantize_bnb(module: nn.Linear) -> torch.Tensor:
 
 def _mixed_class(cls: type, mixin: type, cache: dict[type, type]) -> type:
     if cls not in cache:
-        cache[cls] = type(f"FixedRows{cls.__name__}", (mixin, cls), {})
+        cache[cls] = type(f"{mixin.__name__.strip('_')}{cls.__name__}", (mixin, cls), {})
     return cache[cls]
 
 
