@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -88,6 +89,21 @@ def test_bytes_read_leave_out_an_untied_input_embedding_but_keep_a_tied_one():
     tied = tiny_model(64, seed=0)
     tied.lm_head.weight = tied.get_input_embeddings().weight  # one matrix: the head reads it whole
     assert bytes_read_per_step(tied) == _bytes(tied)
+
+
+def test_bytes_read_count_a_modules_own_kernel_layout_in_place_of_its_quant_state():
+    linear = torch.nn.Linear(64, 32, bias=False)
+    linear.weight.quant_state = SimpleNamespace(  # as bitsandbytes keeps 4-bit scales
+        absmax=torch.zeros(32), code=torch.zeros(16), state2=SimpleNamespace(absmax=torch.zeros(2), code=None)
+    )
+    model = torch.nn.Sequential(linear)
+    model.get_input_embeddings = lambda: linear  # tied: nothing left out
+    model.get_output_embeddings = lambda: linear
+    weight = 64 * 32 * 4
+    assert bytes_read_per_step(model) == weight + (32 + 16 + 2) * 4
+    linear.kernel_packed = linear.weight.data.view(32, 64)  # a view of the same bytes: counted once
+    linear.kernel_scales = torch.zeros(8, dtype=torch.float64)
+    assert bytes_read_per_step(model) == weight + 8 * 8
 
 
 def test_a_part_is_recorded_done_skipped_failed_or_cut_and_saved_each_time(tmp_path):

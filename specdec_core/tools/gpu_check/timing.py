@@ -48,34 +48,37 @@ def bandwidth_gb_s(device: torch.device | str, megabytes: int, repeats: int = 10
     return 2 * source.numel() / statistics.median(seconds) / 1e9
 
 
-def _tensor_bytes(tensor: Any) -> int:
-    return int(tensor.numel() * tensor.element_size()) if isinstance(tensor, torch.Tensor) else 0
-
-
-def _quant_state_bytes(parameter: Any) -> int:
+def _quant_state_tensors(parameter: Any) -> list[torch.Tensor]:
     """bitsandbytes keeps a 4-bit weight's scales beside it (quant_state), not as buffers."""
-    state = getattr(parameter, "quant_state", None)
-    total = 0
+    found, state = [], getattr(parameter, "quant_state", None)
     while state is not None:
-        total += _tensor_bytes(getattr(state, "absmax", None)) + _tensor_bytes(getattr(state, "code", None))
+        found += [t for t in (getattr(state, "absmax", None), getattr(state, "code", None)) if t is not None]
         state = getattr(state, "state2", None)
-    return total
+    return found
+
+
+def _read_by(module: torch.nn.Module) -> list[torch.Tensor]:
+    """The tensors `module` itself reads: its parameters and buffers, and either the tensors it
+    keeps as plain attributes (a kernel's own layout of its weights) or, without those, its
+    4-bit weights' quant_state."""
+    own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+    kept = [v for v in vars(module).values() if isinstance(v, torch.Tensor)]
+    return own + (kept or [t for p in own for t in _quant_state_tensors(p)])
 
 
 def bytes_read_per_step(model: Any) -> int:
-    """Bytes a one-token step reads: every parameter and buffer as stored (with 4-bit scales),
-    less the input embedding when it is not the output head too (a step reads one row of it)."""
+    """Bytes a one-token step reads: every tensor the model's modules read, once (a view of
+    the same bytes, a tied weight, counts once), less the input embedding when it is not
+    the output head too (a step reads one row of it)."""
+
+    def extent(tensor: torch.Tensor) -> tuple[int, int]:
+        return tensor.data_ptr(), tensor.numel() * tensor.element_size()
+
     embedding = model.get_input_embeddings()
     tied = embedding.weight is model.get_output_embeddings().weight
-    skip = set() if tied else {id(embedding.weight)}
-    seen: set[int] = set()
-    total = 0
-    for tensor in [*model.parameters(), *model.buffers()]:
-        if id(tensor) in seen or id(tensor) in skip:
-            continue
-        seen.add(id(tensor))
-        total += _tensor_bytes(tensor) + _quant_state_bytes(tensor)
-    return total
+    skipped = set() if tied else {extent(embedding.weight)}
+    extents = {extent(t) for module in model.modules() for t in _read_by(module)} - skipped
+    return sum(size for _, size in extents)
 
 
 def time_forwards(
