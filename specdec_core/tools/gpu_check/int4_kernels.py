@@ -1,11 +1,12 @@
-"""4-bit linears side by side: bitsandbytes nf4 as loaded against torchao's int4 weight-only.
+"""4-bit linears side by side: our nf4 path against torchao's int4 weight-only.
 
-The linears of one decoder layer of the loaded nf4 model (attention and MLP projections)
-are timed at 1 and 16 rows: once as the loaded model runs them (the bitsandbytes weight
-dequantized whole, then the matmul: `batch_invariant._DequantizedBnb`), once re-quantized
-from their dequantized weights with torchao's `Int4WeightOnlyConfig(group_size=128)` (the
-tinygemm kernel). Each set is captured as one CUDA graph and replayed, so launch costs
-are alike. Times are per layer; the layer count is recorded beside them.
+The linears of one decoder layer of the nf4 model (attention and MLP projections) are
+timed at 1 and 16 rows: once as the model runs them after the fixed-shape step took it
+over (the nf4 row kernel, `kernels/nf4_rows.py`, where it covers them; else bitsandbytes'
+weight dequantized whole, then the matmul), once re-quantized from their dequantized
+weights with torchao's `Int4WeightOnlyConfig(group_size=128)` (the tinygemm kernel).
+Each set is captured as one CUDA graph and replayed, so launch costs are alike. Times
+are per layer; the layer count and the nf4 linears' class are recorded beside them.
 """
 
 from __future__ import annotations
@@ -94,7 +95,11 @@ def side_by_side(model: Any) -> dict[str, Any]:
     nf4 = layer_linears(model)
     int4 = torch.nn.ModuleList(dequantized(m) for m in nf4)
     quantize_(int4, _tinygemm_config(Int4WeightOnlyConfig))
-    found: dict[str, Any] = {"layers": layers, "linears_per_layer": len(nf4)}
+    found: dict[str, Any] = {
+        "layers": layers,
+        "linears_per_layer": len(nf4),
+        "nf4_class": type(nf4[0]).__name__,
+    }
     for rows in (1, 16):
         found[f"nf4_layer_ms_rows{rows}"] = _replay_ms(nf4, rows)
         found[f"torchao_int4_layer_ms_rows{rows}"] = _replay_ms(list(int4), rows)
