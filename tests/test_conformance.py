@@ -53,10 +53,11 @@ def drafters(draft_model) -> dict[str, object]:
     }
 
 
-def accepted_by_every_drafter(engine, draft_model, prompt, params, alone, what: str = "") -> int:
-    """Asserts that every drafter gives `alone`, the target alone's tokens; the drafts accepted."""
+def accepted_by_every_drafter(engine, draft_model, prompt, params, alone, what: str = "", make=None) -> int:
+    """Asserts that every drafter (`make(draft_model)`, default `drafters`) gives `alone`, the
+    target alone's tokens; returns the drafts accepted."""
     accepted = 0
-    for name, drafter in drafters(draft_model).items():
+    for name, drafter in (make or drafters)(draft_model).items():
         engine.set_drafter(drafter)
         done = list(engine.generate(prompt, params))[-1]
         assert list(done.token_ids) == alone, f"{what}{name} departs from the target alone"

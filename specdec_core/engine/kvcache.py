@@ -111,7 +111,31 @@ class Runner(Protocol):
     def forward(self, new_ids: Sequence[int], logits_to_keep: int) -> torch.Tensor: ...
 
 
-class CachedModel:
+class SequenceRunner:
+    """What every runner does the same way over its `ids`, `crop` and `device`."""
+
+    ids: list[int]
+
+    @property
+    def device(self) -> torch.device:
+        raise NotImplementedError
+
+    def crop(self, length: int) -> None:
+        raise NotImplementedError
+
+    def sync(self, tokens: Sequence[int]) -> int:
+        """Crop to the longest cached prefix of `tokens`; return its length."""
+        n = shared_prefix(self.ids, tokens)
+        self.crop(n)
+        return n
+
+    def synchronize(self) -> None:
+        """Wait for the device's queued work, so a clock read after it times the forward itself."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+class CachedModel(SequenceRunner):
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
         self.buffered = layers_cpu.writes_cache_in_place(model)
@@ -140,17 +164,6 @@ class CachedModel:
             return
         self.cache.crop(length - len(self.ids))  # transformers 5: negative = positions to remove
         del self.ids[length:]
-
-    def sync(self, tokens: Sequence[int]) -> int:
-        """Crop to the longest cached prefix of `tokens`; return its length."""
-        n = shared_prefix(self.ids, tokens)
-        self.crop(n)
-        return n
-
-    def synchronize(self) -> None:
-        """Wait for the device's queued work, so a clock read after it times the forward itself."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
     def forward(self, new_ids: Sequence[int], logits_to_keep: int) -> torch.Tensor:

@@ -36,7 +36,7 @@ from transformers.cache_utils import Cache, StaticLayer
 from ..kernels import attention_static
 from ..kernels.batch_invariant import plain_linears, rowwise_refusal
 from ..kernels.nf4_rows import use_row_kernels
-from .kvcache import CachedModel, is_finite, overflow_error, shared_prefix
+from .kvcache import CachedModel, SequenceRunner, is_finite, overflow_error
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ def step_label(runner: object) -> str:
     return ""
 
 
-class StaticRunner:
+class StaticRunner(SequenceRunner):
     """`model` behind a static KV cache, run at fixed row counts (module doc).
 
     Its attention becomes `attention_static`'s (which still runs a `CachedModel`'s forwards
@@ -126,16 +126,6 @@ class StaticRunner:
     def crop(self, length: int) -> None:
         """Keep the first `length` positions (the slots past them are unread until rewritten)."""
         del self.ids[length:]
-
-    def sync(self, tokens: Sequence[int]) -> int:
-        """Crop to the longest cached prefix of `tokens`; return its length."""
-        n = shared_prefix(self.ids, tokens)
-        self.crop(n)
-        return n
-
-    def synchronize(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
     def forward(self, new_ids: Sequence[int], logits_to_keep: int) -> torch.Tensor:
