@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from ...engine.kvcache import CachedModel
+from ...engine.kvcache import CachedModel, Runner
+from ...engine.static_step import runner_for
 from ...kernels import huge_pages
 from ...kernels.draft_int4 import Int4Weights
 from ...kernels.quant_cpu import PerTokenInt8Linear
@@ -46,7 +47,7 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_forward(runner: CachedModel, context: Sequence[int], m: int) -> float:
+def time_forward(runner: Runner, context: Sequence[int], m: int) -> float:
     """Seconds of one forward of m tokens after the cached context (then cropped off again)."""
     runner.crop(len(context))
     # The thread count the engine would use now: at 2 threads beside a busy process every
@@ -70,7 +71,10 @@ def measure_cost_curve(
     """Interleaved repeats (all sizes, then again) so a burst of load hits every size alike."""
     vocab = int(target_model.config.get_text_config().vocab_size)
     context = torch.randint(0, vocab, (context_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
-    runners = [CachedModel(target_model)] + ([CachedModel(draft_model)] if draft_model is not None else [])
+    # The runners the engine would use: on CUDA the fixed-shape step (static_step.runner_for).
+    runners = [runner_for(target_model)] + (
+        [runner_for(draft_model, draft=True)] if draft_model is not None else []
+    )
     for runner in runners:
         runner.forward(context, logits_to_keep=1)
     timings: dict[int, list[float]] = {m: [] for m in sizes}
