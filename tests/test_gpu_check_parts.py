@@ -61,6 +61,12 @@ def test_the_projection_takes_the_best_draft_length_from_the_measured_costs():
     assert found.tokens_per_verify == pytest.approx(expected_tokens(accepted, best))
 
 
+def test_our_projection_never_drafts_longer_than_the_engine_does():
+    verify = {m: 10.0 for m in range(1, 17)}  # flat costs: the longest draft would win
+    assert project([0.99] * 15, draft_ms=0.1, verify_ms=verify, baseline_ms=10.0).k == 15
+    assert project([0.99] * 15, draft_ms=0.1, verify_ms=verify, baseline_ms=10.0, max_k=12).k == 12
+
+
 def test_the_projection_keeps_plain_decoding_when_drafts_do_not_pay():
     found = project([0.01] * 4, draft_ms=50.0, verify_ms={m: 10.0 for m in range(1, 6)}, baseline_ms=20.0)
     assert found.k == 0 and found.speedup == pytest.approx(2.0)

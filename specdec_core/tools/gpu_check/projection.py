@@ -32,13 +32,18 @@ class Projection:
 
 
 def project(
-    per_position: Sequence[float], draft_ms: float, verify_ms: Mapping[int, float], baseline_ms: float
+    per_position: Sequence[float],
+    draft_ms: float,
+    verify_ms: Mapping[int, float],
+    baseline_ms: float,
+    max_k: int | None = None,
 ) -> Projection:
-    """The best fixed k's speedup over `baseline_ms` per token; k runs while v(k + 1) was measured."""
+    """The best fixed k's speedup over `baseline_ms` per token; k runs while v(k + 1) was measured,
+    up to `max_k` (the longest draft the engine issues, for our own projection)."""
     plain = verify_ms[1]
     best = Projection(speedup=baseline_ms / plain, k=0, tokens_per_verify=1.0, ms_per_token=plain)
     k = 1
-    while k + 1 in verify_ms and k <= len(per_position):
+    while k + 1 in verify_ms and k <= len(per_position) and (max_k is None or k <= max_k):
         tokens = expected_tokens(per_position, k)
         per_token = (k * draft_ms + verify_ms[k + 1]) / tokens
         if baseline_ms / per_token > best.speedup:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ...engine.speculative import MAX_DRAFT_LENGTH
 from .projection import Projection, project
 
 NOTE = (
@@ -42,12 +43,12 @@ def _pair(parts: Mapping[str, Any], pair: str, accepted: Sequence[float] | None)
         found["missing"] = "draft step or acceptance not measured"
         return found
     found["draft_over_target_step"] = draft["static_ms"] / plain
-    ours = project(accepted, draft["static_ms"], _curve(costs["static_ms"]), plain)
+    ours = project(accepted, draft["static_ms"], _curve(costs["static_ms"]), plain, MAX_DRAFT_LENGTH)
     found["projected"] = ours.as_dict()
     # What the draft's cost alone allows: the speedup were every draft accepted.
     everything = [1.0] * (len(costs["static_ms"]) - 1)
     found["speedup_if_all_accepted"] = project(
-        everything, draft["static_ms"], _curve(costs["static_ms"]), plain
+        everything, draft["static_ms"], _curve(costs["static_ms"]), plain, MAX_DRAFT_LENGTH
     ).speedup
     for path in ("eager", "compiled", "assisted"):
         hf = parts.get(f"hf-{path}-{pair}", {})
