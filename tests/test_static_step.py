@@ -169,6 +169,17 @@ def test_the_cpu_keeps_its_own_runner_and_the_step_refuses_what_it_cannot_run():
         StaticRunner(model)
 
 
+def test_a_failed_capture_leaves_the_step_eager_and_says_why(caplog):
+    runner = StaticRunner(arch_model("qwen2", 128), rows=(4,), capacity=8)
+    runner.graphs = True  # on the CPU the capture itself fails: there is no CUDA stream
+    ids = random_ids(10, 128)
+    expected = StaticRunner(arch_model("qwen2", 128), rows=(4,), capacity=8).forward(ids, 10)
+    assert torch.equal(runner.forward(ids, 10), expected)
+    assert not runner.graphs and runner.graphs_off.startswith("CUDA graph capture failed: ")
+    assert "runs eagerly" in caplog.text
+    assert step_label(runner).startswith("fixed-shape step (4 rows, eager: CUDA graph capture failed")
+
+
 def test_the_step_label_says_how_forwards_run():
     model = arch_model("qwen2", 128)
     assert step_label(CachedModel(model)) == ""  # the CPU's own runner needs no word

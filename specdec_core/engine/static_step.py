@@ -207,9 +207,9 @@ class StaticRunner(SequenceRunner):
             shape.graph = graph
         except torch.OutOfMemoryError:
             raise  # the session's one-line out-of-memory error, not a quiet eager fallback
-        except RuntimeError as exc:
+        except Exception as exc:  # whatever fails to capture runs eagerly; a real error recurs there
             self.graphs = False
-            self.graphs_off = f"CUDA graph capture failed: {str(exc).splitlines()[0]}"
+            self.graphs_off = f"CUDA graph capture failed: {(str(exc) or type(exc).__name__).splitlines()[0]}"
             log.warning("the fixed-shape step runs eagerly: %s", self.graphs_off)
             for each in self._shapes.values():
                 each.graph = None
