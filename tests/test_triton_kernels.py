@@ -72,6 +72,7 @@ def test_nf4_layouts_the_kernel_does_not_read_keep_the_dequantizing_path(finding
 def test_the_fixed_shape_step_over_nf4_rows_is_the_models_function_and_bitwise(findings):
     model = findings["nf4_model"]
     assert model["swapped"] == 2 * 7  # q, k, v, o, gate, up, down in each of two layers
+    assert model["swapped_again"] == 0
     # Against the same weights in fp32: no further off than bitsandbytes' own dequantizing forward.
     assert model["error"] <= 1.5 * model["dequantizing_error"]
     assert model["steps_equal_verify"]

@@ -129,14 +129,17 @@ def nf4_model_findings() -> dict[str, object]:
     dequantizing, model = nf4_model(), nf4_model()
     truth = fp32_copy(dequantizing)
     make_batch_invariant(dequantizing)
-    swapped = use_row_kernels(model)
-    runner = StaticRunner(model, rows=(4,), capacity=8)
+    make_batch_invariant(model)  # as the loader leaves every model
+    runner = StaticRunner(model, rows=(4,), capacity=8)  # swaps the nf4 linears to the row kernel
+    swapped = runner.nf4_row_kernels
+    swapped_again = StaticRunner(model, rows=(1, 4)).nf4_row_kernels  # a second runner: self-drafting
     verify = runner.forward(ids, 10)
     runner.crop(24)
     steps = torch.cat([runner.forward([t], 1) for t in ids[24:]])
     exact = CachedModel(truth).forward(ids, 10)
     return {
         "swapped": swapped,
+        "swapped_again": swapped_again,
         "error": (verify - exact).abs().max().item(),
         "dequantizing_error": (CachedModel(dequantizing).forward(ids, 10) - exact).abs().max().item(),
         "steps_equal_verify": torch.equal(steps, verify[-6:]),

@@ -102,10 +102,10 @@ class StaticRunner(SequenceRunner):
         pretrained.set_attn_implementation(attention_static.NAME)
         if pretrained.config._attn_implementation != attention_static.NAME:  # transformers only warns
             raise ValueError("the fixed-shape step cannot run this model: its attention is not pluggable")
-        self.nf4_row_kernels = 0  # nf4 linears read as stored (nf4_rows.py): on CUDA
         if self.device.type == "cuda":
             plain_linears(model)  # one shape per forward already: fixed-rows chunks would only cost
-            self.nf4_row_kernels = use_row_kernels(model)
+        # nf4 linears read as stored (nf4_rows.py), where its kernel runs: CUDA (or Triton's interpreter).
+        self.nf4_row_kernels = use_row_kernels(model)
         self.graphs = self.device.type == "cuda" and os.environ.get("SPECDEC_CUDA_GRAPHS") != "0"
         self.graphs_off = "" if self.graphs else "not on CUDA"
         self._pool: Any = None

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .batch_invariant import _mixed_class, dequantize_bnb, is_bnb_linear
+from .batch_invariant import _mixed_class, dequantize_bnb
 
 BLOCK = 64  # bitsandbytes' blocksize this kernel reads
 _CLASSES: dict[type, type] = {}
@@ -34,8 +34,11 @@ _CLASSES: dict[type, type] = {}
 def row_kernel_refusal(module: nn.Module) -> str | None:
     """Why `module`'s weight cannot go through the row kernel, or None when it can."""
     state = getattr(getattr(module, "weight", None), "quant_state", None)
-    if not is_bnb_linear(module) or state is None:
+    # The loader's batch-invariant forward mixes a class into bitsandbytes' own: look through it.
+    if state is None or not any(is_bnb_linear_class(cls) for cls in type(module).__mro__):
         return "not a bitsandbytes 4-bit linear"
+    if isinstance(module, Nf4RowsLinear):
+        return "already read by the row kernel"  # a second runner on the same model (self-drafting)
     if state.quant_type != "nf4" or state.blocksize != BLOCK:
         return f"{state.quant_type} in blocks of {state.blocksize}"
     if state.shape[1] % BLOCK:
@@ -79,6 +82,10 @@ def use_row_kernels(model: nn.Module) -> int:
             _swap(module)
             swapped += 1
     return swapped
+
+
+def is_bnb_linear_class(cls: type) -> bool:
+    return cls.__module__.startswith("bitsandbytes") and issubclass(cls, nn.Linear)
 
 
 def _swap(module: nn.Module) -> None:
