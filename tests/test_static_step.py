@@ -180,6 +180,15 @@ def test_a_failed_capture_leaves_the_step_eager_and_says_why(caplog):
     assert step_label(runner).startswith("fixed-shape step (4 rows, eager: CUDA graph capture failed")
 
 
+def test_a_warmed_up_step_starts_empty_and_computes_what_a_fresh_one_does():
+    runner = StaticRunner(arch_model("qwen2", 128), rows=(1, 4), capacity=8)
+    runner.warm_up()
+    assert runner.ids == [] and set(runner._shapes) == {1, 4}  # every row count has run once
+    ids = random_ids(10, 128)
+    fresh = StaticRunner(arch_model("qwen2", 128), rows=(1, 4), capacity=8)
+    assert torch.equal(runner.forward(ids, 10), fresh.forward(ids, 10))
+
+
 def test_the_step_label_says_how_forwards_run():
     model = arch_model("qwen2", 128)
     assert step_label(CachedModel(model)) == ""  # the CPU's own runner needs no word

@@ -61,7 +61,9 @@ def runner_for(model: torch.nn.Module, draft: bool = False) -> CachedModel | Sta
     device = next(model.parameters()).device
     if device.type != "cuda" or os.environ.get("SPECDEC_STATIC_STEP") == "0" or static_refusal(model):
         return CachedModel(model)
-    return StaticRunner(model, rows=(1, TARGET_ROWS) if draft else (TARGET_ROWS,))
+    runner = StaticRunner(model, rows=(1, TARGET_ROWS) if draft else (TARGET_ROWS,))
+    runner.warm_up()
+    return runner
 
 
 def step_label(runner: object) -> str:
@@ -115,6 +117,14 @@ class StaticRunner(SequenceRunner):
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
+
+    def warm_up(self) -> None:
+        """One forward of each row count, then an empty cache: on CUDA the first forward of a
+        shape compiles its Triton kernels and records its graph, which no timed forward (the
+        calibration) or budgeted one (the self-check's) should pay for."""
+        for rows in self.rows:
+            self.forward([0] * rows, logits_to_keep=1)
+        self.reset()
 
     @property
     def capacity(self) -> int:
