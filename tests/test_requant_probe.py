@@ -32,6 +32,14 @@ def test_a_folder_re_quantized_says_its_measured_kl_and_measures_it_once(tiny_fo
     assert again.fidelity == first.fidelity
 
 
+def test_every_re_quantization_on_cuda_is_measured_and_the_cpus_int4_and_int8():
+    assert requant_probe.applies("cpu", "int4", "re-quantized: int4 from bf16")
+    assert not requant_probe.applies("cpu", "bf16", "re-quantized: bf16 from fp32")  # a plain cast
+    assert requant_probe.applies("cuda", "nf4", "re-quantized: nf4 from bf16")
+    assert requant_probe.applies("cuda", "bf16", "re-quantized: bf16 from Q4_K_M")
+    assert not requant_probe.applies("cuda", "bf16", "as stored (bf16)")
+
+
 @needs_kernel
 def test_a_gguf_re_quantized_says_its_measured_kl(tmp_path):
     path = write_tiny_llama_gguf(tmp_path / "tiny.Q8_0.gguf", arch="qwen2")

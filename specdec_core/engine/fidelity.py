@@ -107,4 +107,5 @@ def _scored(runner: CachedModel, chunk: list[int]) -> torch.Tensor:
     logits = runner.forward(chunk, logits_to_keep=len(chunk))
     runner.reset()  # the chunk's cache is not needed again
     first = _first_scored(len(chunk))
-    return torch.log_softmax(logits[first:-1].float(), dim=-1)
+    # On the host: a model on the GPU is compared with its fp32 reference on the CPU.
+    return torch.log_softmax(logits[first:-1].float(), dim=-1).cpu()

@@ -191,7 +191,7 @@ def load_model(
     check_cancelled(cancel)
     offloaded = any(str(d) in ("cpu", "disk") for d in (getattr(model, "hf_device_map", None) or {}).values())
     fidelity = fidelity_label(path, config, precision)
-    if device == "cpu" and precision in requant_probe.MEASURED and as_stored:
+    if requant_probe.applies(device, precision, fidelity) and as_stored and not offloaded:
         fidelity = requant_probe.labelled(
             fidelity, hf_blocks.cache_key(path, precision, progress=progress, cancel=cancel), precision, model,
             tokenizer, reference=lambda: _reference(path, ref, trust_remote_code),

@@ -1,7 +1,8 @@
 """What a re-quantization at load costs, measured once per source and precision, and shown.
 
 `int4` and `int8` on the CPU round a target's weights again at every load (a GGUF's
-blocks, a folder's bf16 values). The first such load of a source measures the rounded
+blocks, a folder's bf16 values); on CUDA so does every precision whose label says
+`re-quantized` (nf4 or int8 through bitsandbytes, bf16 from fp32, a GGUF's converted copy). The first such load of a source measures the rounded
 model against the source's weights in fp32 on the probe text
 (`hf_blocks.measure_on_probe`, as the llama.cpp-block copies are measured) and keeps the
 figures in the cache (`probes/<source key[:16]>-<precision>.json`). Every load's fidelity
@@ -26,7 +27,14 @@ from ..disk_cache import cache_dir
 from ..progress import Progress, ProgressCallback
 from .hf_blocks import measure_on_probe
 
-MEASURED = ("int4", "int8")  # the precisions that round a source's weights again at load
+MEASURED = ("int4", "int8")  # the CPU precisions that round a source's weights again at load
+
+
+def applies(device: str, precision: str, label: str) -> bool:
+    """Whether a target's load at `precision` on `device`, labelled `label`, is measured."""
+    if device == "cpu":
+        return precision in MEASURED
+    return device == "cuda" and label.startswith("re-quantized")
 _SHARE_OF_MEMORY = 0.5  # the fp32 reference may take at most this share of the memory available
 
 
