@@ -219,8 +219,8 @@ def test_cancel_stops_the_answer(loaded):
         ("max_new_tokens", 0, "≥ 1"),
         ("max_new_tokens", -5, "≥ 1"),
         ("draft_length", 99, "from 0 to 8"),
-        ("max_draft_length", 13, "from 0 to 12"),
-        ("max_draft_length", -1, "from 0 to 12"),
+        ("max_draft_length", 16, "from 0 to 15"),
+        ("max_draft_length", -1, "from 0 to 15"),
         ("seed", -1, "from 0"),
     ],
 )

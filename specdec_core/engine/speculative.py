@@ -46,7 +46,8 @@ PREFILL_CHUNK = 128
 # The longest draft one verify may carry (`GenerationParams.max_draft_length`): the
 # self-check compares a verify at least MAX_DRAFT_LENGTH + 1 rows wide with plain steps,
 # so no verify the engine issues is wider than what it checked (check_params refuses more).
-MAX_DRAFT_LENGTH = 12
+# 15: a verify then fills the fixed-shape step's 16 rows on CUDA (static_step.TARGET_ROWS).
+MAX_DRAFT_LENGTH = 15
 
 
 class Exactness(Protocol):

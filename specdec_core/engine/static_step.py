@@ -40,7 +40,7 @@ from .kvcache import CachedModel, SequenceRunner, is_finite, overflow_error
 
 log = logging.getLogger(__name__)
 
-TARGET_ROWS = 16  # one verify of up to 15 drafts after the last committed token
+TARGET_ROWS = 16  # one verify of up to 15 drafts (MAX_DRAFT_LENGTH) after the last committed token
 FIRST_CAPACITY = 256
 _FULL = "full_attention"
 
