@@ -44,15 +44,25 @@ def accept_sampled(
     """draft_probs: [k, V] or None (deterministic drafter); target_probs: [k + 1, V]."""
     k = len(draft_tokens)
     draws = uniforms(k, generator)
+    # Each side's probabilities of the drafts in one read: on a GPU one transfer, not k.
+    ps = at_tokens(target_probs, draft_tokens)
+    qs = [1.0] * k if draft_probs is None else at_tokens(draft_probs, draft_tokens)
     for i, token in enumerate(draft_tokens):
-        p = float(target_probs[i, token])
-        q = 1.0 if draft_probs is None else float(draft_probs[i, token])
+        p, q = ps[i], qs[i]
         if q > 0 and draws[i] < min(1.0, p / q):
             continue
         return Verdict(
             accepted=i, next_token=sample(_residual(i, token, draft_probs, target_probs), generator)
         )
     return Verdict(accepted=k, next_token=sample(target_probs[k], generator))
+
+
+def at_tokens(probs: torch.Tensor, tokens: list[int]) -> list[float]:
+    """[probs[i, tokens[i]] for each i], read from the device at once."""
+    if not tokens:
+        return []
+    rows = torch.arange(len(tokens), device=probs.device)
+    return probs[rows, torch.tensor(tokens, device=probs.device)].tolist()
 
 
 def _residual(

@@ -29,7 +29,7 @@ from typing import Any, Protocol
 import torch
 
 from ..kernels.threads import default_governor
-from .acceptance import Verdict, accept_greedy, accept_sampled
+from .acceptance import Verdict, accept_greedy, accept_sampled, at_tokens
 from .adaptive import CostModel
 from .detok import IncrementalDetokenizer
 from .drafters import EMPTY_DRAFT, NONE, Draft, DraftPlan, DraftStrategy, NoDrafter
@@ -288,19 +288,20 @@ class SpeculativeEngine:
     ) -> list[tuple[int, Source, float | None, float | None]]:
         """The step's new tokens with provenance and probabilities, in order."""
         out: list[tuple[int, Source, float | None, float | None]] = []
-        for i in range(verdict.accepted):
-            token = draft.tokens[i]
-            # A copied token has no draft probability.
-            q = None if draft.is_copy(i) or draft.probs is None else float(draft.probs[i, token])
-            out.append((token, Source.ACCEPTED, float(target_probs[i, token]), q))
         n = verdict.accepted
+        kept = draft.tokens[:n]
+        ps = at_tokens(target_probs, [*kept, verdict.next_token])  # one read from the device
+        qs = at_tokens(draft.probs, kept) if draft.probs is not None else [None] * n
+        for i, token in enumerate(kept):
+            # A copied token has no draft probability.
+            out.append((token, Source.ACCEPTED, ps[i], None if draft.is_copy(i) else qs[i]))
         if not draft.tokens:
             source = Source.TARGET
         elif n == len(draft.tokens):
             source = Source.BONUS
         else:
             source = Source.CORRECTED
-        out.append((verdict.next_token, source, float(target_probs[n, verdict.next_token]), None))
+        out.append((verdict.next_token, source, ps[n], None))
         return out
 
     def _learn(
