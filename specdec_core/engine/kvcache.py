@@ -17,8 +17,9 @@ Two things make that rollback exact on every architecture:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from transformers import DynamicCache
@@ -90,37 +91,26 @@ def layer_lengths(cache: DynamicCache) -> list[int]:
     ]
 
 
-class Runner(Protocol):
-    """A model plus the cache of one token sequence: `CachedModel` or `static_step.StaticRunner`."""
+class Runner:
+    """A model plus the cache of one token sequence: `CachedModel`, or on CUDA
+    `static_step.StaticRunner`. The engine, drafters, self-check and timings see only this."""
 
     model: torch.nn.Module
     ids: list[int]
     forwards: int
-
-    @property
-    def device(self) -> torch.device: ...
-
-    def reset(self) -> None: ...
-
-    def crop(self, length: int) -> None: ...
-
-    def sync(self, tokens: Sequence[int]) -> int: ...
-
-    def synchronize(self) -> None: ...
-
-    def forward(self, new_ids: Sequence[int], logits_to_keep: int) -> torch.Tensor: ...
-
-
-class SequenceRunner:
-    """What every runner does the same way over its `ids`, `crop` and `device`."""
-
-    ids: list[int]
+    row_invariant = False  # True where a row's logits never depend on how tokens were grouped
 
     @property
     def device(self) -> torch.device:
         raise NotImplementedError
 
+    def reset(self) -> None:
+        raise NotImplementedError
+
     def crop(self, length: int) -> None:
+        raise NotImplementedError
+
+    def forward(self, new_ids: Sequence[int], logits_to_keep: int) -> torch.Tensor:
         raise NotImplementedError
 
     def sync(self, tokens: Sequence[int]) -> int:
@@ -134,8 +124,18 @@ class SequenceRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def time_forward(self, context: Sequence[int], m: int) -> float:
+        """Seconds of one forward of m tokens after the cached `context` (a verify of m - 1
+        drafts); the cache is cropped back to the context first."""
+        self.crop(len(context))
+        self.synchronize()  # CUDA runs kernels asynchronously: time the forward, not its launch
+        start = time.perf_counter()
+        self.forward(context[:m], logits_to_keep=m)
+        self.synchronize()
+        return time.perf_counter() - start
 
-class CachedModel(SequenceRunner):
+
+class CachedModel(Runner):
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
         self.buffered = layers_cpu.writes_cache_in_place(model)

@@ -125,9 +125,9 @@ class SpeculativeEngine:
             runner.forward(context, logits_to_keep=1)
         for _ in range(repeats):  # interleaved, so a burst of machine load hits all sizes alike
             for m in sizes:
-                self.costs.observe_verify(m, _time_forward(self.target, context, m))
+                self.costs.observe_verify(m, self.target.time_forward(context, m))
             for runner in drafts:
-                self.costs.observe_draft(1, _time_forward(runner, context, 1))
+                self.costs.observe_draft(1, runner.time_forward(context, 1))
         self.target.reset()
         self.drafter.reset()
         return self.costs
@@ -223,7 +223,7 @@ class SpeculativeEngine:
         in the fixed-shape step (static_step.py) by construction; on the CPU, whose kernels
         are row-wise, once the self-check has measured a verify bitwise equal to plain
         steps. Elsewhere a GPU's kernels choose their tiling by row count."""
-        if getattr(self.target, "row_invariant", False):
+        if self.target.row_invariant:
             return self.prefill_chunk
         report = self.exactness
         if report is None or not report.bitwise or self.target.device.type != "cpu":
@@ -344,16 +344,6 @@ class SpeculativeEngine:
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
-
-
-def _time_forward(runner: Runner, context: list[int], m: int) -> float:
-    """Seconds of one forward of m tokens after the cached context (a verify of m - 1 drafts)."""
-    runner.crop(len(context))
-    runner.synchronize()  # CUDA runs kernels asynchronously: time the forward, not its launch
-    start = time.perf_counter()
-    runner.forward(context[:m], logits_to_keep=m)
-    runner.synchronize()
-    return time.perf_counter() - start
 
 
 def _emit(run: StatsAccumulator, event: Event) -> Iterator[Event]:

@@ -36,7 +36,7 @@ from transformers.cache_utils import Cache, StaticLayer
 from ..kernels import attention_static
 from ..kernels.batch_invariant import plain_linears, rowwise_refusal
 from ..kernels.nf4_rows import use_row_kernels
-from .kvcache import CachedModel, SequenceRunner, is_finite, overflow_error
+from .kvcache import CachedModel, Runner, is_finite, overflow_error
 
 log = logging.getLogger(__name__)
 
@@ -78,13 +78,13 @@ def step_label(runner: object) -> str:
     return ""
 
 
-class StaticRunner(SequenceRunner):
+class StaticRunner(Runner):
     """`model` behind a static KV cache, run at fixed row counts (module doc).
 
     Its attention becomes `attention_static`'s (which still runs a `CachedModel`'s forwards
     row-wise, as the loader made them) and, on CUDA, its linears one matmul per call."""
 
-    row_invariant = True  # a row's logits never depend on how the tokens were grouped
+    row_invariant = True  # by construction (module doc)
 
     def __init__(
         self, model: torch.nn.Module, rows: Sequence[int] = (TARGET_ROWS,), capacity: int = FIRST_CAPACITY

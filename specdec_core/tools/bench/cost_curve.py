@@ -41,24 +41,12 @@ class CostCurve:
     draft_median: float | None
 
 
-def _synchronize(device: torch.device) -> None:
-    # CUDA kernels run asynchronously: without this a timing measures the launch only.
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def time_forward(runner: Runner, context: Sequence[int], m: int) -> float:
-    """Seconds of one forward of m tokens after the cached context (then cropped off again)."""
-    runner.crop(len(context))
-    # The thread count the engine would use now: at 2 threads beside a busy process every
-    # op waits for a descheduled thread, and the curve would time the machine, not the model.
+    """Seconds of one forward of m tokens after the cached context (`Runner.time_forward`), at
+    the thread count the engine would use now: at 2 threads beside a busy process every op
+    waits for a descheduled thread, and the curve would time the machine, not the model."""
     default_governor().maybe_adjust()
-    device = runner.device
-    _synchronize(device)
-    start = time.perf_counter()
-    runner.forward(context[:m], logits_to_keep=m)
-    _synchronize(device)
-    return time.perf_counter() - start
+    return runner.time_forward(context, m)
 
 
 def measure_cost_curve(

@@ -11,21 +11,11 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Iterable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
-
-class Runner(Protocol):
-    """What a timed runner offers: `kvcache.CachedModel`'s interface, or the fixed-shape step's."""
-
-    def reset(self) -> None: ...
-
-    def crop(self, length: int) -> None: ...
-
-    def synchronize(self) -> None: ...
-
-    def forward(self, new_ids: Sequence[int], logits_to_keep: int) -> torch.Tensor: ...
+from ...engine.kvcache import Runner
 
 
 def synchronize(device: torch.device | str) -> None:
@@ -95,12 +85,8 @@ def time_forwards(
     times: dict[int, list[float]] = {m: [] for m in sizes}
     for round_ in range(repeats + 1):
         for m in sizes:
-            runner.crop(len(context))
-            runner.synchronize()
-            start = time.perf_counter()
-            runner.forward(list(context[:m]), logits_to_keep=m)
-            runner.synchronize()
+            seconds = runner.time_forward(list(context), m)
             if round_ > 0:
-                times[m].append((time.perf_counter() - start) * 1e3)
+                times[m].append(seconds * 1e3)
     runner.reset()
     return {m: statistics.median(v) for m, v in times.items()}
