@@ -177,7 +177,10 @@ class _DequantizedBnb:
 
 
 def is_bnb_linear(module: nn.Module) -> bool:
-    return type(module).__module__.startswith("bitsandbytes") and isinstance(module, nn.Linear)
+    """A bitsandbytes linear, also under a class mixed into it here or in nf4_rows."""
+    return isinstance(module, nn.Linear) and any(
+        cls.__module__.startswith("bitsandbytes") for cls in type(module).__mro__
+    )
 
 
 def dequantize_bnb(module: nn.Linear) -> torch.Tensor:
@@ -200,7 +203,8 @@ def dequantize_bnb(module: nn.Linear) -> torch.Tensor:
     return weight.data.float() * scales.float().view(-1, 1) * (1.0 / 127.0)
 
 
-def _mixed_class(cls: type, mixin: type, cache: dict[type, type]) -> type:
+def mixed_class(cls: type, mixin: type, cache: dict[type, type]) -> type:
+    """`cls` with `mixin` first in its bases, made once per class (a class swap keeps the weights)."""
     if cls not in cache:
         cache[cls] = type(f"{mixin.__name__.strip('_')}{cls.__name__}", (mixin, cls), {})
     return cache[cls]
@@ -222,10 +226,10 @@ def make_batch_invariant(model: Any) -> str | None:
     for module in model.modules():
         if type(module) is nn.Linear:
             module.__class__ = FixedRowsLinear
-        elif is_bnb_linear(module):
-            module.__class__ = _mixed_class(type(module), _DequantizedBnb, classes)
+        elif is_bnb_linear(module) and not isinstance(module, _DequantizedBnb):
+            module.__class__ = mixed_class(type(module), _DequantizedBnb, classes)
         elif on_cuda and _is_norm(module):
-            module.__class__ = _mixed_class(type(module), _FixedRowsNorm, classes)
+            module.__class__ = mixed_class(type(module), _FixedRowsNorm, classes)
     refusal = rowwise_refusal(model.config)
     if refusal is None:
         model.set_attn_implementation(NAME)

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .batch_invariant import _mixed_class, dequantize_bnb
+from .batch_invariant import dequantize_bnb, is_bnb_linear, mixed_class
 
 BLOCK = 64  # bitsandbytes' blocksize this kernel reads
 _CLASSES: dict[type, type] = {}
@@ -34,8 +34,7 @@ _CLASSES: dict[type, type] = {}
 def row_kernel_refusal(module: nn.Module) -> str | None:
     """Why `module`'s weight cannot go through the row kernel, or None when it can."""
     state = getattr(getattr(module, "weight", None), "quant_state", None)
-    # The loader's batch-invariant forward mixes a class into bitsandbytes' own: look through it.
-    if state is None or not any(is_bnb_linear_class(cls) for cls in type(module).__mro__):
+    if state is None or not is_bnb_linear(module):  # the loader's batch-invariant form included
         return "not a bitsandbytes 4-bit linear"
     if isinstance(module, Nf4RowsLinear):
         return "already read by the row kernel"  # a second runner on the same model (self-drafting)
@@ -84,10 +83,6 @@ def use_row_kernels(model: nn.Module) -> int:
     return swapped
 
 
-def is_bnb_linear_class(cls: type) -> bool:
-    return cls.__module__.startswith("bitsandbytes") and issubclass(cls, nn.Linear)
-
-
 def _swap(module: nn.Module) -> None:
     weight: Any = module.weight
     state = weight.quant_state
@@ -100,7 +95,7 @@ def _swap(module: nn.Module) -> None:
     module.nf4_packed = weight.data.view(n_out, n_in // 2)
     module.nf4_absmax = absmax.float().contiguous()
     module.nf4_code = state.code.float().to(weight.device).contiguous()
-    module.__class__ = _mixed_class(type(module), Nf4RowsLinear, _CLASSES)
+    module.__class__ = mixed_class(type(module), Nf4RowsLinear, _CLASSES)
 
 
 def _kernels_run_on(device: torch.device) -> bool:
