@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from archs import ARCHS, arch_model
+from kernel_references import masked_reference
 from test_conformance import accepted_by_every_drafter, drafters
 from test_sampling_exactness import SAMPLES, VOCAB, chi_square_pvalue, tiny_vocab_tokenizer
 from tiny import perturbed, tiny_model
@@ -22,7 +23,6 @@ from specdec_core.engine.speculative import GenerationParams, SpeculativeEngine
 from specdec_core.engine.static_step import StaticRunner, runner_for, static_refusal, step_label
 from specdec_core.errors import NumericalError
 from specdec_core.kernels import attention_static
-from specdec_core.kernels.attention_static import masked_reference
 from specdec_core.kernels.batch_invariant import make_batch_invariant
 
 PROMPT = "def add(a, b):\n    return a + b\n\nfor i in range(10):\n    print(i * i)\n"

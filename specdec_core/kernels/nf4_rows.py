@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .batch_invariant import dequantize_bnb, is_bnb_linear, mixed_class
+from .batch_invariant import is_bnb_linear, mixed_class
 
 BLOCK = 64  # bitsandbytes' blocksize this kernel reads
 _CLASSES: dict[type, type] = {}
@@ -100,9 +100,3 @@ def _swap(module: nn.Module) -> None:
 
 def _kernels_run_on(device: torch.device) -> bool:
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def reference(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """What the row kernel computes, through bitsandbytes' own dequantization (tests)."""
-    weight = dequantize_bnb(module).to(x.dtype)  # type: ignore[arg-type]
-    return torch.nn.functional.linear(x.float(), weight.float()).to(x.dtype)
