@@ -37,7 +37,7 @@ test: $(STAMP)
 
 # The best build ran above (SPECDEC_ISA unset); here the others, then none.
 test-isas: $(STAMP)
-	set -- $$($(PY) -m specdec_core.kernels.cpu --runnable-isas); shift; \
+	set -- $$($(PY) -m specdec_core.kernels.cpu.features --runnable-isas); shift; \
 	for isa in "$$@"; do \
 		echo "SPECDEC_ISA=$$isa"; \
 		SPECDEC_ISA=$$isa QT_QPA_PLATFORM=offscreen $(PY) -m pytest -q -p no:cacheprovider $(KERNEL_TESTS_ONCE) \

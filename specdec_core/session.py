@@ -41,7 +41,6 @@ from .engine.drafters import NGRAM
 from .engine.events import DoneEvent, Event
 from .engine.selfcheck import ExactnessReport, check_exactness
 from .engine.speculative import MAX_DRAFT_LENGTH, GenerationParams, SpeculativeEngine
-from .engine.static_step import step_label
 from .errors import (
     ContextTooLong,
     IncompatibleDraftError,
@@ -52,6 +51,7 @@ from .errors import (
     OutOfMemory,
     SpecdecError,
 )
+from .kernels.dispatch import step_label
 from .models.chat import Message, encode_chat, encode_text
 from .models.compat import Compatibility, rate_draft
 from .models.loading import LoadedModel, load_model

@@ -51,7 +51,7 @@ def _collect_on_the_main_thread():
 @pytest.fixture(autouse=True, scope="session")
 def _check_the_cache_after_every_forward():
     """Every forward asserts that the KV cache holds exactly the tokens it believes it holds."""
-    from specdec_core.engine import kvcache
+    from specdec_core.kernels.cpu import runner as kvcache
 
     kvcache.CHECK_INVARIANT = True
     yield

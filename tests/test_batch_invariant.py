@@ -11,10 +11,10 @@ from archs import ARCHS, WINDOW, arch_model
 from tiny import hf_greedy, perturbed, tiny_model
 
 from specdec_core.engine.drafters import ModelDrafter
-from specdec_core.engine.kvcache import new_cache
 from specdec_core.engine.speculative import GenerationParams, SpeculativeEngine
 from specdec_core.kernels.batch_invariant import NAME, make_batch_invariant, rowwise_refusal
-from specdec_core.kernels.quant_cpu import int8_available, quantize_linears_int8
+from specdec_core.kernels.cpu.quant_cpu import int8_available, quantize_linears_int8
+from specdec_core.kernels.cpu.runner import new_cache
 
 PRECISIONS = ["fp32", "bf16", *(["int8"] if int8_available() else [])]
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from specdec_core.errors import SpecdecError
-from specdec_core.kernels.threads import ThreadGovernor, default_governor
+from specdec_core.kernels.cpu.threads import ThreadGovernor, default_governor
 from specdec_core.tools.bench import (
     METHODS,
     PEER_METHODS,

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from test_gguf_convert import write_tiny_llama_gguf
 
-from specdec_core.kernels import native
+from specdec_core.kernels.cpu import native
 
 pytestmark = pytest.mark.slow
 

@@ -19,9 +19,9 @@ from specdec_core.engine.drafters import LookupThenModelDrafter, ModelDrafter, N
 from specdec_core.engine.events import ReadingEvent
 from specdec_core.engine.selfcheck import check_exactness
 from specdec_core.engine.speculative import GenerationParams, SpeculativeEngine
-from specdec_core.kernels import native
-from specdec_core.kernels.int4_cpu import Int4Linear
-from specdec_core.kernels.quant_cpu import int8_available
+from specdec_core.kernels.cpu import native
+from specdec_core.kernels.cpu.int4_cpu import Int4Linear
+from specdec_core.kernels.cpu.quant_cpu import int8_available
 from specdec_core.models.cpu_backend import prepare_for_cpu
 
 PRECISIONS = [

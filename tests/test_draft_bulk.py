@@ -14,15 +14,15 @@ from tiny import hf_greedy, tiny_model
 from specdec_core.engine import draft_bulk
 from specdec_core.engine.draft_bulk import MIN_ROWS, PROBE_ROWS, BulkReads, has_bulk_reads, speed_up_reads
 from specdec_core.engine.drafters import ModelDrafter
-from specdec_core.engine.kvcache import CachedModel
 from specdec_core.engine.speculative import GenerationParams, SpeculativeEngine
 from specdec_core.errors import Cancelled
-from specdec_core.kernels import cpu, native
 from specdec_core.kernels.batch_invariant import make_batch_invariant
-from specdec_core.kernels.fused_int8 import fuse_int8_projections
-from specdec_core.kernels.int4_cpu import Int4Linear, quantize_linears_int4
-from specdec_core.kernels.layers_cpu import speed_up_layers
-from specdec_core.kernels.quant_cpu import onednn_available, onednn_sums_exactly
+from specdec_core.kernels.cpu import features, native
+from specdec_core.kernels.cpu.fused_int8 import fuse_int8_projections
+from specdec_core.kernels.cpu.int4_cpu import Int4Linear, quantize_linears_int4
+from specdec_core.kernels.cpu.layers_cpu import speed_up_layers
+from specdec_core.kernels.cpu.quant_cpu import onednn_available, onednn_sums_exactly
+from specdec_core.kernels.cpu.runner import CachedModel
 
 pytestmark = pytest.mark.skipif(
     native.unavailable() is not None or not onednn_available(), reason="no C kernels or no oneDNN here"
@@ -112,8 +112,8 @@ def test_no_int8_reads_where_they_do_not_pay_or_fit(tokenizer, monkeypatch, why)
     if why == "sums saturate":  # oneDNN without VNNI or AMX adds u8 x s8 pairs in int16
         monkeypatch.setattr(draft_bulk, "onednn_sums_exactly", lambda row_counts: False)
     if why == "no VNNI or AMX":  # a Zen 3, as SPECDEC_ISA=avx2 makes any x86 CPU look
-        monkeypatch.setattr(cpu, "cpuinfo", lambda: "flags\t\t: avx2 fma f16c avx512f avx512_vnni amx_int8\n")
-        monkeypatch.setenv(cpu.ISA_ENV, "avx2")
+        monkeypatch.setattr(features, "cpuinfo", lambda: "flags\t\t: avx2 fma f16c avx512f avx512_vnni amx_int8\n")
+        monkeypatch.setenv(features.ISA_ENV, "avx2")
     assert not speed_up_reads(model)
     assert not has_bulk_reads(model)
     assert all(m.many_rows is None for m in model.modules() if isinstance(m, Int4Linear))

@@ -13,10 +13,10 @@ from transformers import DynamicCache
 from specdec_core.engine.drafters import ModelDrafter
 from specdec_core.engine.events import DoneEvent
 from specdec_core.engine.speculative import GenerationParams, SpeculativeEngine
-from specdec_core.kernels import draft_int4
 from specdec_core.kernels.batch_invariant import make_batch_invariant
-from specdec_core.kernels.fused_int8 import fuse_int8_projections
-from specdec_core.kernels.quant_cpu import PerTokenInt8Linear, int8_available, quantize_linears_int8
+from specdec_core.kernels.cpu import draft_int4
+from specdec_core.kernels.cpu.fused_int8 import fuse_int8_projections
+from specdec_core.kernels.cpu.quant_cpu import PerTokenInt8Linear, int8_available, quantize_linears_int8
 from specdec_core.tools.bench import step_bytes
 
 pytestmark = pytest.mark.skipif(

@@ -12,8 +12,8 @@ from specdec_core.engine.draft_vocab import MAX_MISS, RankedHead, VocabTiers, ra
 from specdec_core.engine.drafters import LookupThenModelDrafter, ModelDrafter
 from specdec_core.engine.sampling import SamplingParams
 from specdec_core.engine.speculative import GenerationParams, SpeculativeEngine
-from specdec_core.kernels import native
-from specdec_core.kernels.int4_cpu import head_to_int4, quantize_linears_int4
+from specdec_core.kernels.cpu import native
+from specdec_core.kernels.cpu.int4_cpu import head_to_int4, quantize_linears_int4
 from specdec_core.models.chat import Message, encode_chat, encode_text, template_token_ids
 
 needs_kernel = pytest.mark.skipif(native.unavailable() is not None, reason="no C kernels here")

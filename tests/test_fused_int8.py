@@ -13,13 +13,13 @@ from transformers import DynamicCache
 from specdec_core.engine.events import DoneEvent
 from specdec_core.engine.speculative import GenerationParams, SpeculativeEngine
 from specdec_core.kernels.batch_invariant import make_batch_invariant
-from specdec_core.kernels.fused_int8 import (
+from specdec_core.kernels.cpu.fused_int8 import (
     FusedGateUpMLP,
     FusedProjection,
     apply_fusion,
     fuse_int8_projections,
 )
-from specdec_core.kernels.quant_cpu import int8_available, quantize_linears_int8
+from specdec_core.kernels.cpu.quant_cpu import int8_available, quantize_linears_int8
 from specdec_core.tools.bench import measure_fusion_gain, step_bytes
 
 pytestmark = pytest.mark.skipif(not int8_available(), reason="this torch build has no fbgemm int8 kernels")

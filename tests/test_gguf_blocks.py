@@ -12,8 +12,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf import quants as gguf_quants
 from rowwise import assert_rows_bitwise_the_same
 
-from specdec_core.kernels import cpu, gguf_blocks, native
-from specdec_core.kernels.gguf_blocks import F32, FALLBACK, NATIVE, GGUFLinear, UnsupportedBlockType
+from specdec_core.kernels.cpu import features, gguf_blocks, native
+from specdec_core.kernels.cpu.gguf_blocks import F32, FALLBACK, NATIVE, GGUFLinear, UnsupportedBlockType
 
 needs_kernel = pytest.mark.skipif(native.unavailable() is not None, reason=str(native.unavailable()))
 
@@ -110,7 +110,7 @@ def test_a_rows_result_is_bitwise_the_same_in_any_batch_and_at_any_thread_count(
 
 @needs_kernel
 def test_every_build_this_cpu_runs_computes_the_same_bits(monkeypatch, tmp_path) -> None:
-    builds = [isa.name for isa in cpu.runnable()]
+    builds = [isa.name for isa in features.runnable()]
     if len(builds) < 2:
         pytest.skip(f"this CPU runs only the {builds[0]} build")
     monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))
@@ -118,7 +118,7 @@ def test_every_build_this_cpu_runs_computes_the_same_bits(monkeypatch, tmp_path)
     x = torch.randn(5, 512, generator=torch.Generator().manual_seed(3))
     outputs = []
     for name in builds:
-        monkeypatch.setenv(cpu.ISA_ENV, name)
+        monkeypatch.setenv(features.ISA_ENV, name)
         native._load.cache_clear()
         outputs.append([linear(x[:, : linear.in_features]) for linear in linears])
     native._load.cache_clear()

@@ -12,8 +12,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
 from rowwise import assert_rows_bitwise_the_same
 
-from specdec_core.kernels import cpu, gguf_blocks, native
-from specdec_core.kernels.gguf_blocks import F32, Q8, GGUFLinear
+from specdec_core.kernels.cpu import features, gguf_blocks, native
+from specdec_core.kernels.cpu.gguf_blocks import F32, Q8, GGUFLinear
 from tests.test_gguf_blocks import _stored_blocks
 
 needs_kernel = pytest.mark.skipif(native.unavailable() is not None, reason=str(native.unavailable()))
@@ -224,7 +224,7 @@ def test_a_q8_rows_result_is_bitwise_the_same_in_any_batch_and_at_any_thread_cou
 
 @needs_kernel
 def test_every_build_this_cpu_runs_computes_the_same_q8_bits(monkeypatch, tmp_path) -> None:
-    builds = [isa.name for isa in cpu.runnable()]
+    builds = [isa.name for isa in features.runnable()]
     if len(builds) < 2:
         pytest.skip(f"this CPU runs only the {builds[0]} build")
     monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))
@@ -232,7 +232,7 @@ def test_every_build_this_cpu_runs_computes_the_same_q8_bits(monkeypatch, tmp_pa
     x = _rows_with_ties(512, 5, seed=3)
     outputs = []
     for name in builds:
-        monkeypatch.setenv(cpu.ISA_ENV, name)
+        monkeypatch.setenv(features.ISA_ENV, name)
         native._load.cache_clear()
         outputs.append([linear(x[:, : linear.in_features]) for linear in linears])
     native._load.cache_clear()

@@ -13,9 +13,9 @@ from test_gguf_convert import write_tiny_llama_gguf
 
 from specdec_core import ChatSession, GenerationParams, LoadSpec, Message
 from specdec_core.errors import ModelLoadError
-from specdec_core.kernels import native
-from specdec_core.kernels.gguf_blocks import F32, I8, GGUFLinear
-from specdec_core.kernels.int4_cpu import K4, K6, Int4Linear
+from specdec_core.kernels.cpu import native
+from specdec_core.kernels.cpu.gguf_blocks import F32, I8, GGUFLinear
+from specdec_core.kernels.cpu.int4_cpu import K4, K6, Int4Linear
 from specdec_core.models import gguf_convert, gguf_native
 from specdec_core.models.gguf_file import read_gguf
 from specdec_core.models.loading import fidelity_label, load_model
@@ -170,8 +170,8 @@ def stored_types(model: torch.nn.Module) -> set[str]:
 
 @needs_kernel
 def test_repacked_linears_run_fused_in_the_int4_paths_one_call_layers_computing_the_same_function(tmp_path):
-    from specdec_core.kernels.fused_int8 import FusedGateUpMLP
-    from specdec_core.kernels.layers_cpu import writes_cache_in_place
+    from specdec_core.kernels.cpu.fused_int8 import FusedGateUpMLP
+    from specdec_core.kernels.cpu.layers_cpu import writes_cache_in_place
 
     path = write_tiny_llama_gguf(tmp_path / "tiny-Q4_K.gguf", arch="qwen2", qtype="Q4_K", hidden=256, ffn=512)
     stored = load_model(str(path), device="cpu", precision="gguf")

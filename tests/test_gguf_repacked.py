@@ -12,10 +12,10 @@ from gguf import GGMLQuantizationType
 from gguf import quants as gguf_quants
 from rowwise import assert_rows_bitwise_the_same
 
-from specdec_core.kernels import cpu, huge_pages, native
-from specdec_core.kernels.gguf_blocks import I8, REPACKED_BITS, GGUFLinear
-from specdec_core.kernels.huge_pages import HUGE_PAGE, place_in_huge_pages
-from specdec_core.kernels.int4_cpu import K_SCALES
+from specdec_core.kernels.cpu import features, huge_pages, native
+from specdec_core.kernels.cpu.gguf_blocks import I8, REPACKED_BITS, GGUFLinear
+from specdec_core.kernels.cpu.huge_pages import HUGE_PAGE, place_in_huge_pages
+from specdec_core.kernels.cpu.int4_cpu import K_SCALES
 from tests.test_gguf_blocks import _stored_blocks
 from tests.test_gguf_int import _integer_weights
 
@@ -97,14 +97,14 @@ def test_a_repacked_rows_result_is_bitwise_the_same_in_any_batch_and_at_any_thre
 
 @needs_kernel
 def test_every_build_this_cpu_runs_computes_the_same_repacked_bits(monkeypatch, tmp_path) -> None:
-    builds = [isa.name for isa in cpu.runnable()]
+    builds = [isa.name for isa in features.runnable()]
     if len(builds) < 2:
         pytest.skip(f"this CPU runs only the {builds[0]} build")
     monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))
     x = torch.randn(11, 512, generator=torch.Generator().manual_seed(3))
     outputs = []
     for name in builds:
-        monkeypatch.setenv(cpu.ISA_ENV, name)
+        monkeypatch.setenv(features.ISA_ENV, name)
         native._load.cache_clear()
         linears = [_linear(qtype) for qtype in REPACKED]  # repacked by this build too
         outputs.append([linear(x[:rows]) for linear in linears for rows in (1, 11)])

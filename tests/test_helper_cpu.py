@@ -11,8 +11,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from specdec_core.kernels import native
-from specdec_core.kernels.int4_cpu import Int4Linear
+from specdec_core.kernels.cpu import native
+from specdec_core.kernels.cpu.int4_cpu import Int4Linear
 
 pytestmark = pytest.mark.skipif(native.unavailable() is not None, reason=str(native.unavailable()))
 

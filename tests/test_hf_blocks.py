@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 
-from specdec_core.kernels import native
-from specdec_core.kernels.gguf_quantize import QUANTIZED, quantize
+from specdec_core.kernels.cpu import native
+from specdec_core.kernels.cpu.gguf_quantize import QUANTIZED, quantize
 
 needs_kernel = pytest.mark.skipif(native.unavailable() is not None, reason=str(native.unavailable()))
 LLAMA_BUILDS = "~/.cache/specdec/llama.cpp/*/src/vendor/llama.cpp/build/bin"

@@ -8,10 +8,10 @@ import pytest
 import torch
 from tiny import tiny_model
 
-from specdec_core.engine.kvcache import CachedModel
-from specdec_core.kernels import huge_pages, native
-from specdec_core.kernels.huge_pages import HUGE_PAGE, place_in_huge_pages
-from specdec_core.kernels.int4_cpu import Int4Linear
+from specdec_core.kernels.cpu import huge_pages, native
+from specdec_core.kernels.cpu.huge_pages import HUGE_PAGE, place_in_huge_pages
+from specdec_core.kernels.cpu.int4_cpu import Int4Linear
+from specdec_core.kernels.cpu.runner import CachedModel
 from specdec_core.models import cpu_backend
 from specdec_core.models.cpu_backend import prepare_for_cpu
 

@@ -11,11 +11,11 @@ from tiny import tiny_model
 from transformers import DynamicCache
 
 from specdec_core.errors import ModelLoadError
-from specdec_core.kernels import int4_cpu, native
 from specdec_core.kernels.batch_invariant import make_batch_invariant
-from specdec_core.kernels.fused_int8 import FusedGateUpMLP, fuse_int8_projections, fuse_rows
-from specdec_core.kernels.int4_cpu import GROUP, Int4Linear, quantize_linears_int4
-from specdec_core.kernels.quant_cpu import PerTokenInt8Linear
+from specdec_core.kernels.cpu import int4_cpu, native
+from specdec_core.kernels.cpu.fused_int8 import FusedGateUpMLP, fuse_int8_projections, fuse_rows
+from specdec_core.kernels.cpu.int4_cpu import GROUP, Int4Linear, quantize_linears_int4
+from specdec_core.kernels.cpu.quant_cpu import PerTokenInt8Linear
 from specdec_core.models.loading import resolve_precision
 
 needs_kernel = pytest.mark.skipif(native.unavailable() is not None, reason=str(native.unavailable()))

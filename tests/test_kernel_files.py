@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from specdec_core.kernels import kernel_files, native
-from specdec_core.kernels.native import KernelUnavailable
+from specdec_core.kernels.cpu import kernel_files, native
+from specdec_core.kernels.cpu.native import KernelUnavailable
 from specdec_core.tools.cli import main
 
 FLAGS = ("-mavx2",)  # what the fake compilers are given; they ignore it
@@ -127,7 +127,7 @@ def test_two_processes_compiling_at_once_compile_once_and_both_load(tmp_path, ca
     real_cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     wrapper = _script(tmp_path / "bin" / "cc", f'echo run >> {log}\nexec {real_cc} "$@"\n')
     env = {**os.environ, "SPECDEC_CACHE_DIR": str(cache), "CC": str(wrapper)}
-    load = "from specdec_core.kernels import native; print(hasattr(native.library(), 'int4_linear'))"
+    load = "from specdec_core.kernels.cpu import native; print(hasattr(native.library(), 'int4_linear'))"
     processes = [
         subprocess.Popen([sys.executable, "-c", load], env=env, stdout=subprocess.PIPE, text=True)
         for _ in range(2)

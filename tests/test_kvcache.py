@@ -9,11 +9,11 @@ import torch
 from archs import WINDOW, arch_model
 from tiny import hf_greedy
 
-from specdec_core.engine import kvcache
 from specdec_core.engine.drafters import NgramDrafter
-from specdec_core.engine.kvcache import CachedModel
 from specdec_core.engine.speculative import GenerationParams, SpeculativeEngine
 from specdec_core.errors import NumericalError
+from specdec_core.kernels.cpu import runner as kvcache
+from specdec_core.kernels.cpu.runner import CachedModel
 
 
 def test_tests_run_with_the_cache_length_check_on():

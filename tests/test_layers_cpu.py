@@ -12,12 +12,11 @@ from archs import WINDOW, arch_model
 from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from specdec_core.engine.kvcache import CachedModel, new_cache
-from specdec_core.kernels import layers_cpu, native
 from specdec_core.kernels.batch_invariant import make_batch_invariant
-from specdec_core.kernels.fused_int8 import fuse_int8_projections
-from specdec_core.kernels.int4_cpu import quantize_linears_int4
-from specdec_core.kernels.layers_cpu import (
+from specdec_core.kernels.cpu import layers_cpu, native
+from specdec_core.kernels.cpu.fused_int8 import fuse_int8_projections
+from specdec_core.kernels.cpu.int4_cpu import quantize_linears_int4
+from specdec_core.kernels.cpu.layers_cpu import (
     FastLayer,
     OneCallStack,
     rms_norm,
@@ -26,7 +25,8 @@ from specdec_core.kernels.layers_cpu import (
     speed_up_layers,
     writes_cache_in_place,
 )
-from specdec_core.kernels.quant_cpu import int8_available, quantize_linears_int8
+from specdec_core.kernels.cpu.quant_cpu import int8_available, quantize_linears_int8
+from specdec_core.kernels.cpu.runner import CachedModel, new_cache
 
 pytestmark = pytest.mark.skipif(native.unavailable() is not None, reason=str(native.unavailable()))
 PLAIN = ["llama", "qwen2", "qwen2-swa", "mistral"]

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdec_core.kernels import attention_cpu, cpu, int4_cpu, native
 from specdec_core.kernels.batch_invariant import rowwise_attention
-from specdec_core.kernels.native import KernelUnavailable
+from specdec_core.kernels.cpu import attention_cpu, features, int4_cpu, native
+from specdec_core.kernels.cpu.native import KernelUnavailable
 
 needs_kernel = pytest.mark.skipif(native.unavailable() is not None, reason=str(native.unavailable()))
 SCALAR = native.ISA_FLAGS["scalar"]
@@ -129,7 +129,7 @@ def _chosen(cpuinfo: str, machine: str = "x86_64") -> str:
 
 
 def test_the_best_build_the_cpu_can_run_is_chosen(monkeypatch) -> None:
-    monkeypatch.delenv(cpu.ISA_ENV, raising=False)
+    monkeypatch.delenv(features.ISA_ENV, raising=False)
     assert _chosen(ZEN3) == "avx2"
     assert _chosen(XEON) == "avx512-vnni"
     assert _chosen(ZEN3.replace("bmi2", "avx512f avx512bw")) == "avx2"  # AVX-512 without VNNI
@@ -141,9 +141,9 @@ def test_the_best_build_the_cpu_can_run_is_chosen(monkeypatch) -> None:
 
 def test_specdec_isa_picks_any_build_the_cpu_can_run(monkeypatch) -> None:
     for value, name in (("avx512", "avx512-vnni"), ("avx512-vnni", "avx512-vnni"), ("AVX2", "avx2"), ("scalar", "scalar")):
-        monkeypatch.setenv(cpu.ISA_ENV, value)
+        monkeypatch.setenv(features.ISA_ENV, value)
         assert _chosen(XEON) == name
-    monkeypatch.setenv(cpu.ISA_ENV, "scalar")
+    monkeypatch.setenv(features.ISA_ENV, "scalar")
     assert _chosen(ARM, "aarch64") == "scalar"
 
 
@@ -157,9 +157,9 @@ def test_specdec_isa_picks_any_build_the_cpu_can_run(monkeypatch) -> None:
     ],
 )
 def test_a_build_the_cpu_cannot_run_is_a_one_line_refusal(monkeypatch, value, cpuinfo, machine, says) -> None:
-    monkeypatch.setenv(cpu.ISA_ENV, value)
-    monkeypatch.setattr(cpu, "cpuinfo", lambda: cpuinfo)
-    monkeypatch.setattr(cpu, "machine", lambda: machine)
+    monkeypatch.setenv(features.ISA_ENV, value)
+    monkeypatch.setattr(features, "cpuinfo", lambda: cpuinfo)
+    monkeypatch.setattr(features, "machine", lambda: machine)
     native._load.cache_clear()
     try:
         reason, name = native.unavailable(), native.isa()
@@ -170,21 +170,21 @@ def test_a_build_the_cpu_cannot_run_is_a_one_line_refusal(monkeypatch, value, cp
 
 
 def test_specdec_isa_hides_what_a_cpu_with_only_that_build_lacks(monkeypatch) -> None:
-    monkeypatch.setattr(cpu, "cpuinfo", lambda: XEON)
-    monkeypatch.delenv(cpu.ISA_ENV, raising=False)
-    assert cpu.int8_sums_can_be_exact()
-    assert [isa.name for isa in cpu.runnable()] == ["avx512-vnni", "avx2", "scalar"]
-    monkeypatch.setenv(cpu.ISA_ENV, "avx512")
-    assert cpu.features() == cpu.listed_flags(XEON) - {"amx_int8"}
+    monkeypatch.setattr(features, "cpuinfo", lambda: XEON)
+    monkeypatch.delenv(features.ISA_ENV, raising=False)
+    assert features.int8_sums_can_be_exact()
+    assert [isa.name for isa in features.runnable()] == ["avx512-vnni", "avx2", "scalar"]
+    monkeypatch.setenv(features.ISA_ENV, "avx512")
+    assert features.features() == features.listed_flags(XEON) - {"amx_int8"}
     for value in ("avx2", "scalar"):  # as on a Zen 3, or an older CPU: no VNNI, no AMX
-        monkeypatch.setenv(cpu.ISA_ENV, value)
-        assert not cpu.int8_sums_can_be_exact()
-        assert [isa.name for isa in cpu.runnable()] == ["avx512-vnni", "avx2", "scalar"]  # what can run stays
-    assert cpu.features() == {"fpu", "sse2"}
-    monkeypatch.setattr(cpu, "cpuinfo", lambda: ARM)
-    monkeypatch.delenv(cpu.ISA_ENV)
-    assert cpu.features() is None and cpu.int8_sums_can_be_exact()  # unknown: oneDNN's own check decides
-    assert [isa.name for isa in cpu.runnable()] == ["scalar"]
+        monkeypatch.setenv(features.ISA_ENV, value)
+        assert not features.int8_sums_can_be_exact()
+        assert [isa.name for isa in features.runnable()] == ["avx512-vnni", "avx2", "scalar"]  # what can run stays
+    assert features.features() == {"fpu", "sse2"}
+    monkeypatch.setattr(features, "cpuinfo", lambda: ARM)
+    monkeypatch.delenv(features.ISA_ENV)
+    assert features.features() is None and features.int8_sums_can_be_exact()  # unknown: oneDNN's own check decides
+    assert [isa.name for isa in features.runnable()] == ["scalar"]
 
 
 def test_apple_clang_without_openmp_is_named_in_one_line() -> None:
@@ -243,13 +243,13 @@ def _run_packing(lib) -> list[torch.Tensor]:
 
 @needs_kernel
 def test_every_build_this_cpu_runs_computes_the_same_bits(monkeypatch, tmp_path) -> None:
-    builds = [isa.name for isa in cpu.runnable()]
+    builds = [isa.name for isa in features.runnable()]
     if len(builds) < 2:
         pytest.skip(f"this CPU runs only the {builds[0]} build")
     monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))
     outputs = []
     for name in builds:
-        monkeypatch.setenv(cpu.ISA_ENV, name)
+        monkeypatch.setenv(features.ISA_ENV, name)
         native._load.cache_clear()
         outputs.append([out.contiguous().view(torch.uint8) for out in _run_kernels(native.library())])
     native._load.cache_clear()
@@ -260,5 +260,5 @@ def test_every_build_this_cpu_runs_computes_the_same_bits(monkeypatch, tmp_path)
 
 
 def test_the_cpu_model_name_is_read_as_written_and_absent_where_not_listed():
-    assert cpu.model_name("processor\t: 0\nmodel name\t: AMD EPYC 7B13\nflags\t: avx2\n") == " AMD EPYC 7B13"
-    assert cpu.model_name("processor\t: 0\nFeatures\t: fp asimd\n") is None
+    assert features.model_name("processor\t: 0\nmodel name\t: AMD EPYC 7B13\nflags\t: avx2\n") == " AMD EPYC 7B13"
+    assert features.model_name("processor\t: 0\nFeatures\t: fp asimd\n") is None

@@ -10,8 +10,8 @@ from tiny import hf_greedy
 
 from specdec_core.engine.drafters import ModelDrafter, NgramDrafter
 from specdec_core.engine.speculative import GenerationParams, SpeculativeEngine
-from specdec_core.kernels import cpu
-from specdec_core.kernels.quant_cpu import (
+from specdec_core.kernels.cpu import features
+from specdec_core.kernels.cpu.quant_cpu import (
     KERNEL_ENV,
     ONEDNN_ISA_ENV,
     OnednnInt8,
@@ -94,8 +94,8 @@ def test_int8_kernel_can_be_chosen_by_environment(monkeypatch):
 
 
 def test_a_cpu_without_vnni_or_amx_keeps_fbgemm(monkeypatch):
-    monkeypatch.setattr(cpu, "cpuinfo", lambda: "flags\t\t: avx2 fma f16c avx512f avx512_vnni amx_int8\n")
-    monkeypatch.setenv(cpu.ISA_ENV, "avx2")  # as on a Zen 3
+    monkeypatch.setattr(features, "cpuinfo", lambda: "flags\t\t: avx2 fma f16c avx512f avx512_vnni amx_int8\n")
+    monkeypatch.setenv(features.ISA_ENV, "avx2")  # as on a Zen 3
     monkeypatch.delenv(KERNEL_ENV, raising=False)
     monkeypatch.delenv(ONEDNN_ISA_ENV, raising=False)
     assert kernel_name.__wrapped__() == "fbgemm"
@@ -119,7 +119,7 @@ def test_int8_speculative_output_equals_int8_greedy(tokenizer, int8_target, draf
 
 @pytest.mark.parametrize("precision", ["int8", "int4"])
 def test_a_quantized_model_keeps_nothing_of_the_checkpoint_file_mapped(tiny_folder, precision):
-    from specdec_core.kernels import native
+    from specdec_core.kernels.cpu import native
     from specdec_core.models import cpu_backend, loading
 
     if precision == "int4" and native.unavailable() is not None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from test_gguf_convert import write_tiny_llama_gguf
 
-from specdec_core.kernels import native
+from specdec_core.kernels.cpu import native
 from specdec_core.models import requant_probe
 from specdec_core.models.loading import load_model
 

@@ -9,10 +9,10 @@ import torch
 
 from specdec_core.engine.selfcheck import BITWISE, NEAR_TIES, UNVERIFIED, VERIFY_ROWS, check_exactness
 from specdec_core.engine.speculative import MAX_DRAFT_LENGTH, SpeculativeEngine
-from specdec_core.kernels import native
 from specdec_core.kernels.batch_invariant import ROWS, make_batch_invariant
-from specdec_core.kernels.quant_cpu import int8_available, quantize_linears_int8
-from specdec_core.kernels.threads import ThreadGovernor
+from specdec_core.kernels.cpu import native
+from specdec_core.kernels.cpu.quant_cpu import int8_available, quantize_linears_int8
+from specdec_core.kernels.cpu.threads import ThreadGovernor
 from specdec_core.models.cpu_backend import prepare_for_cpu
 
 

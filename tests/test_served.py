@@ -16,15 +16,7 @@ from pathlib import Path
 import pytest
 from test_gguf_convert import write_tiny_llama_gguf
 
-from specdec_core import (
-    ChatSession,
-    DoneEvent,
-    GenerationParams,
-    LoadSpec,
-    Message,
-    StepEvent,
-    TokenEvent,
-)
+from specdec_core import ChatSession, DoneEvent, GenerationParams, LoadSpec, Message, StepEvent, TokenEvent
 from specdec_core.engine.events import Source
 from specdec_core.errors import Cancelled, ServerError
 from specdec_core.served import engines, local_server

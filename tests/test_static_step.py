@@ -16,14 +16,15 @@ from tiny import perturbed, tiny_model
 from transformers import AttentionInterface
 
 from specdec_core.engine.drafters import ModelDrafter, NoDrafter
-from specdec_core.engine.kvcache import CachedModel
 from specdec_core.engine.sampling import SamplingParams
 from specdec_core.engine.selfcheck import check_exactness
 from specdec_core.engine.speculative import GenerationParams, SpeculativeEngine
-from specdec_core.engine.static_step import StaticRunner, runner_for, static_refusal, step_label
 from specdec_core.errors import NumericalError
-from specdec_core.kernels import attention_static
 from specdec_core.kernels.batch_invariant import make_batch_invariant
+from specdec_core.kernels.cpu.runner import CachedModel
+from specdec_core.kernels.cuda import attention_static
+from specdec_core.kernels.cuda.static_step import StaticRunner, static_refusal
+from specdec_core.kernels.dispatch import runner_for, step_label
 
 PROMPT = "def add(a, b):\n    return a + b\n\nfor i in range(10):\n    print(i * i)\n"
 

@@ -19,10 +19,10 @@ from specdec_core.engine.events import ReadingEvent
 from specdec_core.engine.selfcheck import check_exactness
 from specdec_core.engine.speculative import GenerationParams, SpeculativeEngine
 from specdec_core.errors import SpecdecError
-from specdec_core.kernels import native, openmp, threads
 from specdec_core.kernels.batch_invariant import make_batch_invariant
-from specdec_core.kernels.quant_cpu import int8_available, quantize_linears_int8
-from specdec_core.kernels.threads import ThreadGovernor, default_governor, parse_threads_setting
+from specdec_core.kernels.cpu import native, openmp, threads
+from specdec_core.kernels.cpu.quant_cpu import int8_available, quantize_linears_int8
+from specdec_core.kernels.cpu.threads import ThreadGovernor, default_governor, parse_threads_setting
 from specdec_core.models.cpu_backend import prepare_for_cpu
 
 

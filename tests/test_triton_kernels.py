@@ -1,9 +1,9 @@
 """The CUDA kernels, run on the CPU by Triton's interpreter.
 
-Attention (kernels/attention_triton.py) must compute attention (the torch reference within
+Attention (kernels/cuda/attention_triton.py) must compute attention (the torch reference within
 fp32 rounding) by the rule that makes the fixed-shape step batch-invariant: a row's numbers
 depend on its position and the keys up to it only, not on the capacity, its row among others
-or the slots past it. The nf4 row kernel (kernels/nf4_triton.py) must multiply by exactly
+or the slots past it. The nf4 row kernel (kernels/cuda/nf4_triton.py) must multiply by exactly
 bitsandbytes' weights, without dequantizing them whole."""
 
 from __future__ import annotations

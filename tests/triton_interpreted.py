@@ -16,12 +16,12 @@ sys.path.insert(0, os.path.dirname(__file__))
 from archs import arch_model  # noqa: E402
 from kernel_references import masked_reference, reference  # noqa: E402
 
-from specdec_core.engine.kvcache import CachedModel  # noqa: E402
-from specdec_core.engine.static_step import StaticRunner  # noqa: E402
-from specdec_core.kernels import attention_triton  # noqa: E402
-from specdec_core.kernels.attention_static import BLOCK  # noqa: E402
 from specdec_core.kernels.batch_invariant import dequantize_bnb, make_batch_invariant  # noqa: E402
-from specdec_core.kernels.nf4_rows import row_kernel_refusal, use_row_kernels  # noqa: E402
+from specdec_core.kernels.cpu.runner import CachedModel  # noqa: E402
+from specdec_core.kernels.cuda import attention_triton  # noqa: E402
+from specdec_core.kernels.cuda.attention_static import BLOCK  # noqa: E402
+from specdec_core.kernels.cuda.nf4_rows import row_kernel_refusal, use_row_kernels  # noqa: E402
+from specdec_core.kernels.cuda.static_step import StaticRunner  # noqa: E402
 
 CASES = {"plain": (64, 0, 0.0), "window, head dim 96": (96, 20, 0.0), "softcap": (32, 0, 20.0)}
 

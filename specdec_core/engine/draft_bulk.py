@@ -33,11 +33,11 @@ import psutil
 import torch
 from torch import nn
 
-from ..kernels import native
-from ..kernels.int4_cpu import LANES, Int4Linear
-from ..kernels.quant_cpu import OnednnInt8, onednn_available, onednn_sums_exactly, quantize_weight
+from ..kernels.cpu import native
+from ..kernels.cpu.int4_cpu import LANES, Int4Linear
+from ..kernels.cpu.quant_cpu import OnednnInt8, onednn_available, onednn_sums_exactly, quantize_weight
+from ..kernels.cpu.runner import CachedModel
 from ..progress import check_cancelled
-from .kvcache import CachedModel
 
 ENV_VAR = "SPECDEC_DRAFT_BULK"
 # Reads of at least this many rows take the int8 copy: above the crossover with the 4-bit

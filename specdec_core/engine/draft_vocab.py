@@ -27,7 +27,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
-from ..kernels.int4_cpu import Int4Linear, output_head, pack, unpack
+from ..kernels.cpu.int4_cpu import Int4Linear, output_head, pack, unpack
 
 TIERS = (65_536, 100_000)  # row counts a draft may score, fewest first
 MAX_MISS = 1 / 200  # a tier serves a conversation if at most this share of its ids lie outside

@@ -28,13 +28,13 @@ from typing import Protocol
 
 import torch
 
-from ..kernels.int4_cpu import output_head
+from ..kernels.cpu.int4_cpu import output_head
+from ..kernels.dispatch import runner_for
+from ..kernels.runner import Runner
 from .adaptive import ConfidenceCalibration, CostModel, DraftLengthController
 from .draft_vocab import RankedHead, VocabTiers
-from .kvcache import Runner
 from .policy import PLAIN, Choice, SourcePolicy
 from .sampling import SamplingParams, sample
-from .static_step import runner_for
 
 # Draft specs that need no model (the DraftSpec parser and the UI use these names).
 NGRAM = "ngram"

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .kvcache import CachedModel
+from ..kernels.cpu.runner import CachedModel
 
 DEFAULT_CTX = 512  # llama-perplexity's default context
 

@@ -36,14 +36,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .adaptive import (
-    PRIOR,
-    PRIOR_WEIGHT,
-    AcceptanceEstimate,
-    CostModel,
-    Prober,
-    perfect_draft_pays,
-)
+from .adaptive import PRIOR, PRIOR_WEIGHT, AcceptanceEstimate, CostModel, Prober, perfect_draft_pays
 
 
 @dataclass(frozen=True)

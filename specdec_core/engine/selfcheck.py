@@ -54,13 +54,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..kernels import native
 from ..kernels.batch_invariant import ROWS
-from ..kernels.threads import ThreadGovernor, default_governor
+from ..kernels.cpu import native
+from ..kernels.cpu.threads import ThreadGovernor, default_governor
 from .speculative import MAX_DRAFT_LENGTH
 
 if TYPE_CHECKING:
-    from .kvcache import Runner
+    from ..kernels.runner import Runner
     from .speculative import SpeculativeEngine
 
 BITWISE = "bitwise"

@@ -28,15 +28,15 @@ from typing import Any, Protocol
 
 import torch
 
-from ..kernels.threads import default_governor
+from ..kernels.cpu.threads import default_governor
+from ..kernels.dispatch import runner_for
+from ..kernels.runner import Runner
 from .acceptance import Verdict, accept_greedy, accept_sampled, at_tokens
 from .adaptive import CostModel
 from .detok import IncrementalDetokenizer
 from .drafters import EMPTY_DRAFT, NONE, Draft, DraftPlan, DraftStrategy, NoDrafter
 from .events import DoneEvent, Event, PrefillEvent, ReadingEvent, Source, StepEvent, TokenEvent
-from .kvcache import Runner
 from .sampling import SamplingParams
-from .static_step import runner_for
 from .stats import GenerationStats, StatsAccumulator
 
 # Prompt tokens per target forward while reading a long prompt. Between chunks the engine

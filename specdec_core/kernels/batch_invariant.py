@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AttentionInterface
 
-from . import attention_cpu
+from .cpu import attention_cpu
 
 NAME = "specdec_rowwise"
 _PLAIN_LAYERS = {"full_attention", "sliding_attention"}

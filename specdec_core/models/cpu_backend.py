@@ -16,15 +16,15 @@ from typing import Any
 
 from ..engine.draft_bulk import speed_up_reads
 from ..engine.draft_vocab import rank_head
-from ..kernels import int4_cpu
 from ..kernels.batch_invariant import make_batch_invariant
-from ..kernels.draft_int4 import speed_up_draft
-from ..kernels.fused_int8 import apply_fusion
-from ..kernels.gguf_blocks import GGUFLinear
-from ..kernels.huge_pages import place_in_huge_pages, return_freed_memory
-from ..kernels.int4_cpu import head_to_int4
-from ..kernels.layers_cpu import speed_up_layers
-from ..kernels.quant_cpu import quantize_linears_int8
+from ..kernels.cpu import int4_cpu
+from ..kernels.cpu.draft_int4 import speed_up_draft
+from ..kernels.cpu.fused_int8 import apply_fusion
+from ..kernels.cpu.gguf_blocks import GGUFLinear
+from ..kernels.cpu.huge_pages import place_in_huge_pages, return_freed_memory
+from ..kernels.cpu.int4_cpu import head_to_int4
+from ..kernels.cpu.layers_cpu import speed_up_layers
+from ..kernels.cpu.quant_cpu import quantize_linears_int8
 from ..progress import Progress, ProgressCallback
 
 

@@ -1,7 +1,7 @@
 """A GGUF model run from its blocks as stored: the weights of the user's file, not a copy.
 
 The model is built from its config with empty weights; each linear then becomes a
-`GGUFLinear` over the file's mapped blocks (kernels/gguf_blocks.py), the embedding reads
+`GGUFLinear` over the file's mapped blocks (kernels/cpu/gguf_blocks.py), the embedding reads
 rows from the same blocks, and only the small F32 tensors (norms, biases) are copied.
 Nothing is de-quantized ahead of time and nothing is re-quantized, so the forward is
 the function of the file's weights de-quantized, up to summation order and the rounding of
@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 from ..errors import ModelLoadError
-from ..kernels.gguf_blocks import F32 as F32_ROWS
-from ..kernels.gguf_blocks import (
+from ..kernels.cpu.gguf_blocks import F32 as F32_ROWS
+from ..kernels.cpu.gguf_blocks import (
     FALLBACK,
     I8,
     GGUFLinear,
@@ -36,7 +36,7 @@ from ..kernels.gguf_blocks import (
     kernels_run,
     repacks,
 )
-from ..kernels.int4_cpu import K_SCALES, Int4Linear
+from ..kernels.cpu.int4_cpu import K_SCALES, Int4Linear
 from .gguf_file import GGUFFile
 
 F32 = 0

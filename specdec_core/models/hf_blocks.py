@@ -4,7 +4,7 @@ run as stored, with its distance from the source measured when it is made.
 A folder of bf16/fp16/fp32 safetensors becomes a real GGUF file with llama.cpp's tensor
 names and layout (`token_embd`, `blk.N.attn_q`, ...; a Llama's q/k rows in llama.cpp's
 rotary order, as convert_hf_to_gguf.py writes them), quantized by llama.cpp's own reference
-quantizers (kernels/gguf_quantize.c, byte for byte `llama-quantize` without an imatrix) in
+quantizers (kernels/cpu/gguf_quantize.c, byte for byte `llama-quantize` without an imatrix) in
 one of two mixes (`MIXES`):
 
 - `q4_k_m`, llama.cpp's Q4_K_M recipe: Q4_K for most matrices; Q6_K for the output head
@@ -49,9 +49,9 @@ from torch import nn
 from ..disk_cache import conversion_lock, converted_dir, file_sha256, sweep_stale_temporaries
 from ..engine.fidelity import Fidelity, measure
 from ..errors import ModelLoadError
-from ..kernels import native
 from ..kernels.batch_invariant import plain_linears
-from ..kernels.gguf_quantize import quantize
+from ..kernels.cpu import native
+from ..kernels.cpu.gguf_quantize import quantize
 from ..progress import Progress, ProgressCallback, check_cancelled
 from . import gguf_convert, gguf_native
 from .fetch import exclusive

@@ -33,9 +33,9 @@ from typing import Any
 import torch
 
 from ..errors import ModelLoadError, OutOfMemory
-from ..kernels import native
 from ..kernels.batch_invariant import make_batch_invariant
-from ..kernels.quant_cpu import int8_available
+from ..kernels.cpu import native
+from ..kernels.cpu.quant_cpu import int8_available
 from ..progress import Progress, ProgressCallback, check_cancelled
 from . import gguf_convert, gguf_native, hf_blocks, requant_probe
 from .cpu_backend import prepare_as_stored, prepare_for_cpu

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..disk_cache import cache_dir, converted_dir, downloads_dir, fetched_gguf_dir, kernels_dir, verify_file
-from ..kernels import kernel_files
+from ..kernels.cpu import kernel_files
 from ..models import hub
 from ..models.catalog import HubSource, PackageIndexSource, load_catalog
 from ..models.gguf_convert import is_converted, read_marker, usable_conversion

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import SpecdecError
-from ..kernels.huge_pages import granted_bytes
-from ..kernels.threads import default_governor
+from ..kernels.cpu.huge_pages import granted_bytes
+from ..kernels.cpu.threads import default_governor
 from ..progress import Progress, TerminalProgress
 from .bench import (
     ALL_METHODS,
@@ -187,7 +187,7 @@ def _int8_kernel(device: str, precision: str) -> str | None:
     """Which CPU int8 kernel the linears run (quant_cpu), with oneDNN's ISA cap if any."""
     if device != "cpu" or precision != "int8":
         return None
-    from ..kernels.quant_cpu import ONEDNN_ISA_ENV, kernel_name
+    from ..kernels.cpu.quant_cpu import ONEDNN_ISA_ENV, kernel_name
 
     name = kernel_name()
     return f"{name} ({os.environ[ONEDNN_ISA_ENV]})" if name == "onednn" and ONEDNN_ISA_ENV in os.environ else name
@@ -300,7 +300,7 @@ def _write_report(text: str, doc: dict[str, Any], args: argparse.Namespace) -> i
 
 
 def _is_fused(model: Any) -> bool:
-    from ..kernels.fused_int8 import FusedGateUpMLP, FusedProjection
+    from ..kernels.cpu.fused_int8 import FusedGateUpMLP, FusedProjection
 
     return any(isinstance(m, (FusedProjection, FusedGateUpMLP)) for m in model.modules())
 

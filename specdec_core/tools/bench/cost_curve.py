@@ -18,12 +18,13 @@ from typing import Any
 
 import torch
 
-from ...engine.kvcache import CachedModel, Runner
-from ...engine.static_step import runner_for
-from ...kernels import huge_pages
-from ...kernels.draft_int4 import Int4Weights
-from ...kernels.quant_cpu import PerTokenInt8Linear
-from ...kernels.threads import default_governor
+from ...kernels.cpu import huge_pages
+from ...kernels.cpu.draft_int4 import Int4Weights
+from ...kernels.cpu.quant_cpu import PerTokenInt8Linear
+from ...kernels.cpu.runner import CachedModel
+from ...kernels.cpu.threads import default_governor
+from ...kernels.dispatch import runner_for
+from ...kernels.runner import Runner
 
 COST_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
 
@@ -170,7 +171,7 @@ def measure_fusion_gain(
     model: Any, sizes: Sequence[int] = (1, 5), repeats: int = 9, context_tokens: int = 200
 ) -> FusionGain | None:
     """Interleaved A/B of an unfused int8 model and a fused copy; None if nothing fuses."""
-    from ...kernels.fused_int8 import fuse_int8_projections
+    from ...kernels.cpu.fused_int8 import fuse_int8_projections
 
     fused_model = copy.deepcopy(model)
     if fuse_int8_projections(fused_model) == 0:

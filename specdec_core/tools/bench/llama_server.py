@@ -36,8 +36,8 @@ from pathlib import Path
 
 from ...disk_cache import cache_dir
 from ...errors import SpecdecError
-from ...kernels import cpu
-from ...kernels.threads import default_governor
+from ...kernels.cpu import features
+from ...kernels.cpu.threads import default_governor
 from .methods import LLAMA_SERVER_DRAFT, PEER_METHODS, Run
 
 BINARY_NAMES = ("llama-server", "llama-server-vulkan")
@@ -78,7 +78,7 @@ def find_llama_server(explicit: Path | None = None) -> Path:
 def built_for_this_cpu() -> Path | None:
     """The llama-server `scripts/build-llama-cpp` built for this CPU model, if any. Its
     `--no-amx` build comes first: it is made only where the native one cannot run."""
-    name = cpu.model_name(cpu.cpuinfo())
+    name = features.model_name(features.cpuinfo())
     if name is None:
         return None
     # The script's key: sha256 of `cut -d: -f2-` of the line, with echo's newline.

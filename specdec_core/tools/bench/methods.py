@@ -31,7 +31,7 @@ from ...engine.events import DoneEvent
 from ...engine.speculative import GenerationParams, SpeculativeEngine
 from ...engine.stats import GenerationStats
 from ...errors import SpecdecError
-from ...kernels.threads import default_governor
+from ...kernels.cpu.threads import default_governor
 
 HF_METHODS = ("target", "hf-assisted", "hf-prompt-lookup")
 OUR_METHODS = ("ours-off", "ours-draft", "ours-ngram", "ours-auto")

@@ -14,7 +14,7 @@ from typing import Any
 import psutil
 import torch
 
-from ...kernels import cpu, native
+from ...kernels.cpu import features, native
 from . import BenchReport, CostCurve, FusionGain, GroupSummary, LoadRun, Result, StepBytes, TargetCheck
 from .results import reference_of
 
@@ -52,7 +52,7 @@ def machine_line(machine: dict[str, Any]) -> str:
 
 
 def _cpu_model() -> str:
-    name = cpu.model_name(cpu.cpuinfo())
+    name = features.model_name(features.cpuinfo())
     return name.strip() if name else platform.processor() or platform.machine()
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from ...engine.events import DoneEvent
 from ...engine.selfcheck import check_exactness
 from ...engine.speculative import GenerationParams, SpeculativeEngine
-from ...kernels.threads import default_governor
+from ...kernels.cpu.threads import default_governor
 
 BUSY_LOOP = "while True: pass"
 

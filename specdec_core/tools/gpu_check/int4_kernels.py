@@ -2,7 +2,7 @@
 
 The linears of one decoder layer of the nf4 model (attention and MLP projections) are
 timed at 1 and 16 rows: once as the model runs them after the fixed-shape step took it
-over (the nf4 row kernel, `kernels/nf4_rows.py`, where it covers them; else bitsandbytes'
+over (the nf4 row kernel, `kernels/cuda/nf4_rows.py`, where it covers them; else bitsandbytes'
 weight dequantized whole, then the matmul), once re-quantized from their dequantized
 weights with torchao's `Int4WeightOnlyConfig(group_size=128)` (the tinygemm kernel).
 Each set is captured as one CUDA graph and replayed, so launch costs are alike. Times

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ...engine.kvcache import Runner
+from ...kernels.runner import Runner
 
 
 def synchronize(device: torch.device | str) -> None:

@@ -43,8 +43,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..batch_invariant import NAME as ROWWISE
 from . import attention_cpu, native
-from .batch_invariant import NAME as ROWWISE
 from .fused_int8 import FusedGateUpMLP, FusedProjection
 from .int4_cpu import Int4Linear
 from .kv_inplace import BufferLayer

@@ -17,12 +17,12 @@ The library links the OpenMP runtime torch already loaded, so the two share one
 thread pool.
 
 The kernels are written for 16-lane vectors (simd16.h), in one of three builds (`ISA_FLAGS`,
-best first; cpu.py says which this CPU can run). A CPU with AVX-512 VNNI gets them as
+best first; features.py says which this CPU can run). A CPU with AVX-512 VNNI gets them as
 AVX-512 instructions; one with AVX2, FMA and F16C (most desktop CPUs since 2013-2015,
 Intel's recent consumer chips included) gets each vector as two 256-bit halves; any other
 (older x86, ARM, macOS) gets plain C a lane at a time, compiled with no flag for the
 architecture. All three compute the same numbers. `SPECDEC_ISA=avx512|avx2|scalar` picks
-one (cpu.py). No compiler, a failed compile (Apple's clang has no OpenMP) or a build this
+one (features.py). No compiler, a failed compile (Apple's clang has no OpenMP) or a build this
 CPU cannot run: `unavailable()` says why in one line, `int4` is refused at load, and
 attention takes transformers' own path row by row.
 """
@@ -36,15 +36,15 @@ import os
 import shutil
 from pathlib import Path
 
-from ..disk_cache import kernels_dir
-from . import cpu, kernel_files
+from ...disk_cache import kernels_dir
+from . import features, kernel_files
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("int4_cpu.c", "helper_cpu.c", "attention_cpu.c", "layers_cpu.c", "gguf_cpu.c", "gguf_quantize.c"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("helper_cpu.h", "simd16.h", "simd_math.h"))
 # -ffp-contract=off: a multiply then an add round twice, as torch's separate ops do. Nothing
 # here names an architecture: the scalar build compiles with a plain `cc` anywhere.
 COMMON_FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-pthread", "-shared", "-fPIC")
-# The compiler flags of each build in cpu.ISAS; being in the flags, the build is in the cache
+# The compiler flags of each build in features.ISAS; being in the flags, the build is in the cache
 # key. SPECDEC_SCALAR keeps the scalar build plain C where the compiler targets AVX2 by default.
 ISA_FLAGS = {
     "avx512-vnni": ("-mavx512f", "-mavx512bw", "-mavx512vnni", "-mf16c", "-mfma"),
@@ -126,7 +126,7 @@ def library() -> ctypes.CDLL:
 def _load() -> ctypes.CDLL | KernelUnavailable:
     """The library, or why not: tried once per process (a failed compile is not retried per load)."""
     try:
-        chosen = choose_isa(cpu.cpuinfo(), cpu.machine())
+        chosen = choose_isa(features.cpuinfo(), features.machine())
         if isinstance(chosen, str):
             raise KernelUnavailable(f"{chosen}; {_INT4_ADVICE}")
         lib = _open(ISA_FLAGS[chosen.name])
@@ -185,33 +185,33 @@ def _open(isa_flags: tuple[str, ...]) -> ctypes.CDLL:
 def isa() -> str | None:
     """The build of the kernels this process takes ("avx512-vnni", "avx2", "scalar"), or None
     when SPECDEC_ISA asks for one this CPU cannot run."""
-    chosen = choose_isa(cpu.cpuinfo(), cpu.machine())
+    chosen = choose_isa(features.cpuinfo(), features.machine())
     return None if isinstance(chosen, str) else chosen.name
 
 
-def choose_isa(cpuinfo: str, machine: str) -> cpu.Isa | str:
+def choose_isa(cpuinfo: str, machine: str) -> features.Isa | str:
     """The build for a CPU described by `cpuinfo` (/proc/cpuinfo's text, empty where there is
     none) on `machine` (platform.machine()): SPECDEC_ISA's if the CPU can run it, else the
     best it can run; or, in one line, why SPECDEC_ISA's cannot run."""
     try:
-        wanted = cpu.requested()
-    except cpu.UnknownIsa as exc:
+        wanted = features.requested()
+    except features.UnknownIsa as exc:
         return str(exc)
-    flags = cpu.listed_flags(cpuinfo)
-    runnable = cpu.runnable(flags or frozenset())
+    flags = features.listed_flags(cpuinfo)
+    runnable = features.runnable(flags or frozenset())
     if wanted is None or wanted in runnable:
         return wanted or runnable[0]
     if flags is None:
-        return (f"{cpu.ISA_ENV}={wanted.name} asks for an x86 build, and this CPU ({machine}) lists no x86 "
+        return (f"{features.ISA_ENV}={wanted.name} asks for an x86 build, and this CPU ({machine}) lists no x86 "
                 f"extensions: only the scalar build runs here")
     missing = ", ".join(sorted(wanted.needs - flags))
-    return f"{cpu.ISA_ENV}={wanted.name} asks for a build this CPU ({machine}) cannot run: it lacks {missing}"
+    return f"{features.ISA_ENV}={wanted.name} asks for a build this CPU ({machine}) cannot run: it lacks {missing}"
 
 
 def _vendor_flags() -> tuple[str, ...]:
     """Tuning for the CPU's maker: Intel cores stream weights faster when prefetched into L2
     (int4_cpu.c, STREAM_HINT)."""
-    return ("-DSPECDEC_INTEL_PREFETCH",) if "GenuineIntel" in cpu.cpuinfo() else ()
+    return ("-DSPECDEC_INTEL_PREFETCH",) if "GenuineIntel" in features.cpuinfo() else ()
 
 
 def _compile_failure(stderr: str) -> str:

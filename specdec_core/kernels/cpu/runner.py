@@ -1,4 +1,4 @@
-"""A model plus the KV cache of one token sequence, with rollback by cropping.
+"""The CPU's runner: a model plus transformers' KV cache of one token sequence, with rollback by cropping.
 
 `ids` mirrors what the cache holds, so syncing to a new token list is "keep the
 common prefix, crop the rest" — the same operation rolls back rejected draft
@@ -17,7 +17,6 @@ Two things make that rollback exact on every architecture:
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,9 +24,9 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from ..errors import NumericalError
-from ..kernels import layers_cpu
-from ..kernels.kv_inplace import BufferLayer
+from ..runner import Runner, is_finite, overflow_error
+from . import layers_cpu
+from .kv_inplace import BufferLayer
 
 # Tests turn this on (tests/conftest.py): every forward then checks that each cache
 # layer holds exactly len(ids) positions.
@@ -91,50 +90,6 @@ def layer_lengths(cache: DynamicCache) -> list[int]:
     ]
 
 
-class Runner:
-    """A model plus the cache of one token sequence: `CachedModel`, or on CUDA
-    `static_step.StaticRunner`. The engine, drafters, self-check and timings see only this."""
-
-    model: torch.nn.Module
-    ids: list[int]
-    forwards: int
-    row_invariant = False  # True where a row's logits never depend on how tokens were grouped
-
-    @property
-    def device(self) -> torch.device:
-        raise NotImplementedError
-
-    def reset(self) -> None:
-        raise NotImplementedError
-
-    def crop(self, length: int) -> None:
-        raise NotImplementedError
-
-    def forward(self, new_ids: Sequence[int], logits_to_keep: int) -> torch.Tensor:
-        raise NotImplementedError
-
-    def sync(self, tokens: Sequence[int]) -> int:
-        """Crop to the longest cached prefix of `tokens`; return its length."""
-        n = shared_prefix(self.ids, tokens)
-        self.crop(n)
-        return n
-
-    def synchronize(self) -> None:
-        """Wait for the device's queued work, so a clock read after it times the forward itself."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    def time_forward(self, context: Sequence[int], m: int) -> float:
-        """Seconds of one forward of m tokens after the cached `context` (a verify of m - 1
-        drafts); the cache is cropped back to the context first."""
-        self.crop(len(context))
-        self.synchronize()  # CUDA runs kernels asynchronously: time the forward, not its launch
-        start = time.perf_counter()
-        self.forward(context[:m], logits_to_keep=m)
-        self.synchronize()
-        return time.perf_counter() - start
-
-
 class CachedModel(Runner):
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
@@ -192,26 +147,3 @@ class CachedModel(Runner):
             self.reset()
             raise overflow_error(self.model)
         return logits
-
-
-def shared_prefix(cached: Sequence[int], tokens: Sequence[int]) -> int:
-    """How many leading tokens `cached` and `tokens` share."""
-    n = 0
-    limit = min(len(cached), len(tokens))
-    while n < limit and cached[n] == tokens[n]:
-        n += 1
-    return n
-
-
-def is_finite(logits: torch.Tensor) -> bool:
-    # max() propagates NaN and +inf: one reduction guards the whole tensor.
-    return bool(torch.isfinite(logits.max()))
-
-
-def overflow_error(model: torch.nn.Module) -> NumericalError:
-    """The one-line error for a forward whose logits hold inf/NaN."""
-    return NumericalError(
-        f"{getattr(model.config, 'name_or_path', '') or 'the model'} produced inf/NaN logits "
-        f"at {str(model.dtype).removeprefix('torch.')} (fp16 overflows on some models); "
-        "load it at bf16 or fp32"
-    )

@@ -32,7 +32,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from . import cpu
+from . import features
 
 KERNEL_ENV = "SPECDEC_INT8_KERNEL"  # "onednn" | "fbgemm"
 ONEDNN_ISA_ENV = "ONEDNN_MAX_CPU_ISA"  # oneDNN's own cap on the instructions it uses
@@ -71,7 +71,7 @@ def kernel_name() -> str:
     """The kernel new int8 linears use in this process: oneDNN where it sums exactly."""
     if os.environ.get(KERNEL_ENV, "").strip().lower() == "fbgemm":
         return "fbgemm"
-    if onednn_available() and cpu.int8_sums_can_be_exact():
+    if onednn_available() and features.int8_sums_can_be_exact():
         # oneDNN reads its ISA cap once, at first use. It is capped below AMX: AMX makes
         # verifies and prefill cheaper but its plain steps jitter and decoding is slower
         # end to end, while the AVX-512 VNNI kernels keep steady steps
@@ -87,9 +87,9 @@ def onednn_sums_exactly(row_counts: tuple[int, ...] = (1, 16)) -> bool:
     """Without VNNI, oneDNN multiplies u8 x s8 pairs into int16 and saturates: not exact.
 
     Checked on the extreme values (255 x 127 in every pair) at each of `row_counts` rows,
-    where the CPU (as SPECDEC_ISA narrows it, cpu.py) has VNNI or AMX at all.
+    where the CPU (as SPECDEC_ISA narrows it, features.py) has VNNI or AMX at all.
     """
-    if not cpu.int8_sums_can_be_exact():
+    if not features.int8_sums_can_be_exact():
         return False
     weight = torch.full((64, 256), 127, dtype=torch.int8)
     weight[1::2] = -127

@@ -11,7 +11,7 @@ every tensor at a fixed address and every shape fixed, so `StaticRunner` keeps:
 - **A fixed row count.** Every forward runs at one of `rows` (padded with copies of its
   last token; longer inputs in chunks of the largest). A target uses one count R, so a
   plain step and a verify of up to R rows run the same kernels on the same shapes.
-- **Attention by position** (`kernels/attention_static.py`): each row reads exactly the
+- **Attention by position** (`kernels/cuda/attention_static.py`): each row reads exactly the
   keys up to its own position (its window on a sliding layer), whatever the capacity,
   so growth, stale slots and the pad rows after the real ones change no real row's numbers.
 
@@ -33,10 +33,10 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, StaticLayer
 
-from ..kernels import attention_static
-from ..kernels.batch_invariant import plain_linears, rowwise_refusal
-from ..kernels.nf4_rows import use_row_kernels
-from .kvcache import CachedModel, Runner, is_finite, overflow_error
+from ..batch_invariant import plain_linears, rowwise_refusal
+from ..runner import Runner, is_finite, overflow_error
+from . import attention_static
+from .nf4_rows import use_row_kernels
 
 log = logging.getLogger(__name__)
 
@@ -53,29 +53,6 @@ def static_refusal(model: torch.nn.Module) -> str | None:
     if not hasattr(model, "set_attn_implementation"):
         return "a model without transformers' pluggable attention"
     return None
-
-
-def runner_for(model: torch.nn.Module, draft: bool = False) -> CachedModel | StaticRunner:
-    """The runner the engine uses for `model`: the fixed-shape step on CUDA where it fits,
-    else `CachedModel` (the CPU's kernels are row-wise already; docs/engine.md)."""
-    device = next(model.parameters()).device
-    if device.type != "cuda" or os.environ.get("SPECDEC_STATIC_STEP") == "0" or static_refusal(model):
-        return CachedModel(model)
-    runner = StaticRunner(model, rows=(1, TARGET_ROWS) if draft else (TARGET_ROWS,))
-    runner.warm_up()
-    return runner
-
-
-def step_label(runner: object) -> str:
-    """How a runner's forwards run, for the session's info: "" for the CPU's own runner."""
-    if isinstance(runner, StaticRunner):
-        how = "CUDA graphs" if runner.graphs else f"eager: {runner.graphs_off}"
-        nf4 = f", {runner.nf4_row_kernels} nf4 linears read as stored" if runner.nf4_row_kernels else ""
-        return f"fixed-shape step ({runner.rows[-1]} rows, {how}{nf4})"
-    if isinstance(runner, CachedModel) and runner.device.type == "cuda":
-        why = static_refusal(runner.model) or "turned off (SPECDEC_STATIC_STEP=0)"
-        return f"transformers' forward (no fixed-shape step: {why})"
-    return ""
 
 
 class StaticRunner(Runner):

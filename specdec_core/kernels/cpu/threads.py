@@ -58,7 +58,7 @@ from typing import Protocol
 import psutil
 import torch
 
-from ..errors import SpecdecError
+from ...errors import SpecdecError
 from . import native
 
 ENV_VAR = "SPECDEC_THREADS"

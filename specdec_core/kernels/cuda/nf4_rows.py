@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .batch_invariant import is_bnb_linear, mixed_class
+from ..batch_invariant import is_bnb_linear, mixed_class
 
 BLOCK = 64  # bitsandbytes' blocksize this kernel reads
 _CLASSES: dict[type, type] = {}

@@ -5,7 +5,7 @@ kernels runs (native.py) and whether oneDNN's int8 sums can be exact (quant_cpu,
 draft_bulk). `SPECDEC_ISA=avx512|avx2|scalar` makes this machine answer as a CPU whose best
 build is that one would: `avx2` hides AVX-512, AVX-VNNI and AMX (as on an AVX2-only CPU),
 `scalar` hides AVX, FMA and F16C too. The kernels refuse, in one line, a setting this CPU
-cannot run; `python -m specdec_core.kernels.cpu --runnable-isas` lists those it can, best first.
+cannot run; `python -m specdec_core.kernels.cpu.features --runnable-isas` lists those it can, best first.
 
 The extensions are read from the `flags` line of /proc/cpuinfo (Linux on x86). ARM Linux
 lists `Features` instead and macOS has no /proc: there none is known, the scalar build
@@ -115,7 +115,7 @@ def machine() -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m specdec_core.kernels.cpu", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m specdec_core.kernels.cpu.features", description=__doc__.splitlines()[0])
     parser.add_argument(
         "--runnable-isas", action="store_true", help="print the SPECDEC_ISA values this CPU can run"
     )

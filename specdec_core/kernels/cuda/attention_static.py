@@ -1,6 +1,6 @@
 """Attention over a static KV cache, each query row over exactly its own prefix.
 
-The fixed-shape step (engine/static_step.py) hands every layer the whole cache, `capacity`
+The fixed-shape step (kernels/cuda/static_step.py) hands every layer the whole cache, `capacity`
 slots, and the positions of its rows (in place of a mask: `attention_mask` carries them,
 shape [1, 1, R, 1], long). A row at position p attends to keys [lo, p], lo = p - w + 1 on a
 sliding layer of window w (transformers' rule, key > query - w), else 0. Nothing past p
@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from transformers import AttentionInterface
 
-from .batch_invariant import rowwise_attention
+from ..batch_invariant import rowwise_attention
 
 NAME = "specdec_static"
 BLOCK = 32
