@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
+from test_gguf_convert import write_tiny_llama_gguf
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
@@ -18,6 +19,7 @@ from specdec_core.models.compat import (
     check_draft_compatibility,
     check_folders,
     compare_vocabularies,
+    gguf_drafts_near,
     rate_draft,
 )
 
@@ -26,6 +28,12 @@ SENTENCES = [
     "The quick brown fox jumps over the lazy dog.",
     "Speculative decoding drafts tokens and the target verifies them.",
 ]
+def header_tokens(path: Path) -> list[str]:
+    from specdec_core.models.gguf_file import read_arrays, read_gguf
+
+    return read_arrays(read_gguf(path), ["tokenizer.ggml.tokens"])["tokenizer.ggml.tokens"]
+
+
 SPECIALS = ["<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
@@ -231,9 +239,37 @@ def test_model_free_drafts_fit_every_target_and_absent_models_say_how_to_get_the
         f"{DEFAULT_TARGET} is not downloaded yet: `specdec fetch {DEFAULT_TARGET}` to compare tokenizers",
         "catalog",
     )  # fmt: skip
-    local_gguf = tmp_path / "m.gguf"
-    local_gguf.write_bytes(b"GGUF")
+    damaged = tmp_path / "m.gguf"
+    damaged.write_bytes(b"GGUF")
     draft = write_folder(tmp_path / "draft", train_tokenizer(SENTENCES), 200)
-    assert rate_draft(str(local_gguf), str(draft)).reason == (
-        f"{local_gguf} is not converted yet: `specdec fetch {local_gguf}` converts it once to compare tokenizers"
-    )  # fmt: skip
+    verdict = rate_draft(str(damaged), str(draft))
+    assert not verdict.compatible and verdict.reason.startswith("cannot read a tokenizer: m.gguf is a damaged")
+    assert "\n" not in verdict.reason
+
+
+def test_two_gguf_files_are_judged_from_their_headers_without_a_conversion(tmp_path, empty_caches):
+    target = write_tiny_llama_gguf(tmp_path / "big" / "target.Q8_0.gguf", hidden=128, ffn=256)
+    draft = write_tiny_llama_gguf(tmp_path / "small" / "draft.Q8_0.gguf")
+    verdict = rate_draft(str(target), str(draft))
+    assert verdict == Compatibility(True, f"compatible: same {len(header_tokens(target))}-token vocabulary")
+    converted = tmp_path / "specdec-cache" / "converted"
+    assert not converted.exists() or not any(converted.iterdir())
+
+
+def test_a_gguf_of_another_vocabulary_is_refused_from_its_header(tmp_path, empty_caches):
+    target = write_tiny_llama_gguf(tmp_path / "target.gguf")
+    other = write_tiny_llama_gguf(tmp_path / "other.gguf", corpus=["an entirely different corpus of words"] * 5)
+    verdict = rate_draft(str(target), str(other))
+    assert not verdict.compatible and verdict.basis == "tokenizers", verdict
+
+
+def test_the_draft_menu_offers_the_smaller_ggufs_beside_a_gguf_target(tmp_path):
+    models = tmp_path / "models"
+    target = write_tiny_llama_gguf(models / "acme" / "big" / "big.Q8_0.gguf", hidden=128, ffn=256)
+    same_folder = write_tiny_llama_gguf(models / "acme" / "big" / "big-draft.Q8_0.gguf")
+    next_door = write_tiny_llama_gguf(models / "acme" / "small" / "small.Q8_0.gguf")
+    write_tiny_llama_gguf(models / "acme" / "huge" / "huge.Q8_0.gguf", hidden=256, ffn=512)  # larger: no draft
+    for name in ("mmproj-small.gguf", "small-00002-of-00002.gguf"):  # a vision projector, a later shard
+        (models / "acme" / "small" / name).write_bytes(same_folder.read_bytes())
+    assert sorted(gguf_drafts_near(str(target))) == sorted([str(same_folder), str(next_door)])
+    assert gguf_drafts_near("qwen2.5-coder-1.5b-instruct") == []  # only a GGUF file has neighbours

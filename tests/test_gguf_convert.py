@@ -143,7 +143,7 @@ CHAT_TEMPLATE = (
 
 def write_tiny_llama_gguf(
     path: Path, context_length: int = 128, never_ends: bool = False, arch: str = "llama",
-    qtype: str = "Q8_0", hidden: int = HIDDEN, ffn: int = FFN,
+    qtype: str = "Q8_0", hidden: int = HIDDEN, ffn: int = FFN, corpus: list[str] | None = None,
 ) -> Path:  # fmt: skip
     """A 2-layer Llama with a byte-level BPE vocabulary, weights quantized to Q8_0.
 
@@ -161,12 +161,13 @@ def write_tiny_llama_gguf(
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
     )  # fmt: skip
     backend.train_from_iterator(
-        ["def is_prime(n): return n > 1", "hello world, speculative decoding"] * 5, trainer
+        corpus or ["def is_prime(n): return n > 1", "hello world, speculative decoding"] * 5, trainer
     )
     model = json.loads(backend.to_str())["model"]
     tokens = sorted(model["vocab"], key=model["vocab"].get)
     merges = [" ".join(m) if isinstance(m, list) else m for m in model["merges"]]
 
+    path.parent.mkdir(parents=True, exist_ok=True)
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(LAYERS)
     writer.add_context_length(context_length)

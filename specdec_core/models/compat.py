@@ -29,7 +29,8 @@ b. Two catalog models of different tokenizer families (`vocab` keys) never pair.
    by added tokens (Qwen3's `<think>` on Qwen2.5's ids) get different keys on
    purpose: those tokens are untrained padding rows in the other model, so a draft
    that uses them is always rejected and only costs time.
-c. When both models are on disk, their real tokenizers decide (rules 1-3 above).
+c. When both models are on disk, their real tokenizers decide (rules 1-3 above): an HF
+   folder's tokenizer, or a GGUF's vocabulary read from its header (no conversion).
 d. Otherwise the catalog decides: embedding rows beyond the tolerance refuse; the
    same family accepts, to be confirmed by (c) once both are downloaded.
 e. A model that is neither in the catalog nor on disk cannot be judged: refused, with
@@ -39,6 +40,7 @@ e. A model that is neither in the catalog nor on disk cannot be judged: refused,
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
@@ -46,11 +48,14 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ..engine.drafters import NGRAM, NONE
+from ..errors import SpecdecError
 from .catalog import ModelEntry, load_catalog
-from .chat import stop_tokens
+from .chat import END_OF_TURN_TOKENS, stop_tokens
+from .gguf_file import GGUFFile, read_arrays, read_gguf
 
 VOCAB_MAX_SIZE_DIFFERENCE = 128
 VOCAB_CHECK_START_TOKEN_ID = 5
+_TOKENS, _TOKEN_TYPES = "tokenizer.ggml.tokens", "tokenizer.ggml.token_type"
 
 class TokenizerLike(Protocol):
     """What the checks need from a (Hugging Face) tokenizer."""
@@ -235,7 +240,7 @@ def _show(token: str | None) -> str:
 class _TokenizerFacts:
     vocab: dict[str, int]
     stops: tuple[str, ...]
-    vocab_size: int | None  # embedding rows, from config.json
+    vocab_size: int | None  # embedding rows: config.json, or a GGUF's token_embd
 
 
 def rate_draft(target_ref: str, draft_ref: str) -> Compatibility:
@@ -248,6 +253,7 @@ def rate_draft(target_ref: str, draft_ref: str) -> Compatibility:
     if draft_ref in _MODEL_FREE_REASONS:
         return Compatibility(True, _MODEL_FREE_REASONS[draft_ref], "builtin")
     target_folder, draft_folder = local_folder(target_ref), local_folder(draft_ref)
+    target_gguf, draft_gguf = _gguf_at_hand(target_ref), _gguf_at_hand(draft_ref)
     # A catalog model named by its folder (what a loader passes) is still that catalog model.
     target_entry, draft_entry = (
         catalog_entry_of(target_ref, target_folder),
@@ -260,10 +266,11 @@ def rate_draft(target_ref: str, draft_ref: str) -> Compatibility:
             f"pick a {target_entry.vocab} draft{_suggestion(target_entry)}",
             "catalog",
         )
-    if target_folder is not None and draft_folder is not None:
-        return _rate_folders(target_folder, draft_folder)
-    target_rows = _rows(target_folder, target_entry)
-    draft_rows = _rows(draft_folder, draft_entry)
+    target_at, draft_at = target_gguf or target_folder, draft_gguf or draft_folder
+    if target_at is not None and draft_at is not None:
+        return _rate_local(target_at, draft_at)
+    target_rows = _rows(target_at, target_entry)
+    draft_rows = _rows(draft_at, draft_entry)
     if target_rows and draft_rows and abs(target_rows - draft_rows) > VOCAB_MAX_SIZE_DIFFERENCE:
         return Compatibility(False, f"vocab {draft_rows} vs {target_rows}", "catalog")
     if target_entry is not None and draft_entry is not None:
@@ -271,9 +278,13 @@ def rate_draft(target_ref: str, draft_ref: str) -> Compatibility:
             True, f"same {draft_entry.vocab} tokenizer family (catalog; checked again once both are downloaded)",
             "catalog",
         )  # fmt: skip
-    absent = [
-        ref for ref, folder in ((draft_ref, draft_folder), (target_ref, target_folder)) if folder is None
-    ]
+    known = next((entry for entry in (draft_entry, target_entry) if entry is not None), None)
+    if known is not None and target_rows and draft_rows:
+        return Compatibility(
+            True, f"vocab {draft_rows} vs {target_rows} (checked against {known.name}'s tokenizer once it is downloaded)",
+            "catalog",
+        )  # fmt: skip
+    absent = [ref for ref, at in ((draft_ref, draft_at), (target_ref, target_at)) if at is None]
     why = "; ".join(f"{ref} {_why_absent(ref)}" for ref in absent)
     return Compatibility(False, f"{why} to compare tokenizers", "catalog")
 
@@ -311,10 +322,19 @@ def catalog_entry_of(ref: str, folder: Path | None) -> ModelEntry | None:
     return None
 
 
-def _rate_folders(target_folder: Path, draft_folder: Path) -> Compatibility:
+def _gguf_at_hand(ref: str) -> Path | None:
+    """The GGUF file `ref` names, when it is on this machine (never downloaded here)."""
+    from .refs import gguf_file_of
+
+    return gguf_file_of(ref, fetch=False)
+
+
+def _rate_local(target_at: Path, draft_at: Path) -> Compatibility:
+    """Two models on this machine, each an HF folder or a GGUF file (whose header holds its
+    vocabulary: no conversion is needed to judge it)."""
     try:
-        target, draft = _facts(target_folder), _facts(draft_folder)
-    except (OSError, ValueError, KeyError, TypeError) as error:
+        target, draft = _facts(target_at), _facts(draft_at)
+    except (OSError, ValueError, KeyError, TypeError, SpecdecError) as error:
         return Compatibility(False, f"cannot read a tokenizer: {str(error).strip().splitlines()[0]}")
     return compare_vocabularies(
         target.vocab, draft.vocab, target_stops=target.stops, draft_stops=draft.stops,
@@ -322,16 +342,18 @@ def _rate_folders(target_folder: Path, draft_folder: Path) -> Compatibility:
     )  # fmt: skip
 
 
-def _facts(folder: Path) -> _TokenizerFacts:
-    files = [folder / name for name in ("tokenizer.json", "tokenizer_config.json", "config.json")]
+def _facts(at: Path) -> _TokenizerFacts:
+    files = [at] if at.is_file() else [at / name for name in ("tokenizer.json", "tokenizer_config.json", "config.json")]
     stamp = tuple(f.stat().st_mtime_ns if f.is_file() else 0 for f in files)
-    return _facts_cached(str(folder.resolve()), stamp)
+    return _facts_cached(str(at.resolve()), stamp)
 
 
 @lru_cache(maxsize=32)
 def _facts_cached(folder: str, _stamp: tuple[int, ...]) -> _TokenizerFacts:
     # Rating a menu of drafts reads each tokenizer once per process (150k-token vocabularies
     # take about a second); a changed file changes `_stamp` and is read again.
+    if Path(folder).is_file():
+        return _gguf_facts(Path(folder))
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
@@ -339,9 +361,37 @@ def _facts_cached(folder: str, _stamp: tuple[int, ...]) -> _TokenizerFacts:
     return _TokenizerFacts(vocab, tuple(stop_tokens(tokenizer, vocab)), config_vocab_size(folder))
 
 
-def _rows(folder: Path | None, entry: ModelEntry | None) -> int | None:
-    if folder is not None:
-        return config_vocab_size(folder)
+# llama.cpp's token types (llama_token_type): the ones a tokenizer adds beside its merges.
+_CONTROL, _USER_DEFINED = 3, 4
+
+
+def _gguf_facts(path: Path) -> _TokenizerFacts:
+    """A GGUF's vocabulary, stop tokens and embedding rows, from its header alone."""
+    file = read_gguf(path)
+    arrays = read_arrays(file, (_TOKENS, _TOKEN_TYPES))
+    tokens = arrays.get(_TOKENS)
+    if not tokens:
+        raise ValueError(f"{path.name} holds no vocabulary ({_TOKENS})")
+    vocab = {token: index for index, token in reversed(list(enumerate(tokens)))}
+    types = arrays.get(_TOKEN_TYPES) or []
+    added = {tokens[i] for i, kind in enumerate(types) if kind in (_CONTROL, _USER_DEFINED)}
+    stops = [token for token in END_OF_TURN_TOKENS if token in added]
+    eos = file.fields.get("tokenizer.ggml.eos_token_id")
+    if isinstance(eos, int) and 0 <= eos < len(tokens) and tokens[eos] not in stops:
+        stops.insert(0, tokens[eos])
+    return _TokenizerFacts(vocab, tuple(stops), _gguf_rows(file))
+
+
+def _gguf_rows(file: GGUFFile) -> int | None:
+    embedding = file.tensors.get("token_embd.weight")
+    return int(embedding.dims[-1]) if embedding is not None and embedding.dims else None
+
+
+def _rows(at: Path | None, entry: ModelEntry | None) -> int | None:
+    if at is not None and at.is_file():
+        return _gguf_rows(read_gguf(at))
+    if at is not None:
+        return config_vocab_size(at)
     return entry.vocab_size if entry is not None else None
 
 
@@ -353,3 +403,49 @@ def _suggestion(target: ModelEntry) -> str:
     ]
     drafts = [*target.recommended_drafts, *same_family]
     return f" such as {drafts[0]}" if drafts else ""
+
+
+# Bounds on the scan for a GGUF target's neighbours: it runs on a front end's thread.
+_NEARBY_FOLDERS, _NEARBY_FILES = 64, 12
+_SHARD = re.compile(r"-(\d{5})-of-\d{5}\.gguf$", re.IGNORECASE)
+
+
+def gguf_drafts_near(target_ref: str) -> list[str]:
+    """The GGUF files beside a GGUF target that are smaller than it: in its folder and the
+    folders next to it (LM Studio keeps models/<publisher>/<repo>/<file>.gguf). A draft
+    menu offers them beside the catalog's drafts and `rate_draft` decides from their headers;
+    choosing one converts nothing. Vision projectors and later shards of split files are left out."""
+    target = Path(target_ref).expanduser()
+    if target.suffix.lower() != ".gguf" or not target.is_file():
+        return []
+    size = target.stat().st_size
+    found: list[tuple[int, str]] = []
+    for folder in _neighbour_folders(target.parent):
+        for path in _ggufs_in(folder):
+            try:
+                other = path.stat().st_size
+            except OSError:
+                continue
+            if other < size and path.resolve() != target.resolve():
+                found.append((other, str(path)))
+    return [path for _, path in sorted(set(found))[:_NEARBY_FILES]]
+
+
+def _neighbour_folders(folder: Path) -> list[Path]:
+    try:
+        return [folder, *sorted(p for p in folder.parent.iterdir() if p.is_dir() and p != folder)[:_NEARBY_FOLDERS]]
+    except OSError:
+        return [folder]
+
+
+def _ggufs_in(folder: Path) -> list[Path]:
+    try:
+        paths = [p for p in folder.iterdir() if p.suffix.lower() == ".gguf" and p.is_file()]
+    except OSError:
+        return []
+    return [p for p in paths if "mmproj" not in p.name.lower() and _first_shard(p.name)]
+
+
+def _first_shard(name: str) -> bool:
+    match = _SHARD.search(name)
+    return match is None or int(match.group(1)) == 1

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import mmap
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -200,3 +201,39 @@ def _skip_array(cursor: _Cursor) -> int:
             raise ValueError(f"unknown array item type {kind}")
         cursor.at += struct.calcsize(fmt) * count
     return count
+
+
+def read_arrays(file: GGUFFile, keys: Iterable[str]) -> dict[str, list[Any]]:
+    """The header arrays named in `keys` that `file` holds (strings or numbers), decoded;
+    `read_gguf` only counts them, since a vocabulary is hundreds of thousands of strings."""
+    wanted = set(keys) & file.array_lengths.keys()
+    out: dict[str, list[Any]] = {}
+    cursor = _Cursor(memoryview(file.mapping.data))
+    cursor.at = 4 + 4
+    cursor.take("<Q")  # the tensor count
+    for _ in range(cursor.take("<Q")):
+        if not wanted - out.keys():
+            break
+        key = cursor.string()
+        kind = cursor.take("<I")
+        if kind != _ARRAY:
+            _value(cursor, kind)
+        elif key in wanted:
+            out[key] = _array(cursor)
+        else:
+            _skip_array(cursor)
+    return out
+
+
+def _array(cursor: _Cursor) -> list[Any]:
+    kind, count = cursor.take("<I"), cursor.take("<Q")
+    if kind == _STRING:
+        return [cursor.string() for _ in range(count)]
+    if kind == _ARRAY:
+        return [_array(cursor) for _ in range(count)]
+    fmt = _SCALARS.get(kind)
+    if fmt is None:
+        raise ValueError(f"unknown array item type {kind}")
+    values = list(struct.unpack_from(f"<{count}{fmt[1]}", cursor.buffer, cursor.at))
+    cursor.at += struct.calcsize(fmt) * count
+    return values
