@@ -17,7 +17,7 @@ from transformers.generation.logits_process import (
 
 from specdec_core.engine.acceptance import accept_sampled
 from specdec_core.engine.drafters import ModelDrafter, NgramDrafter
-from specdec_core.engine.sampling import SamplingParams
+from specdec_core.engine.sampling import SamplingParams, sample
 from specdec_core.engine.speculative import GenerationParams, SpeculativeEngine
 
 VOCAB = 12
@@ -60,6 +60,28 @@ def test_sampling_params_match_transformers_warpers():
     for warper in (TemperatureLogitsWarper(0.7), TopKLogitsWarper(10), TopPLogitsWarper(0.8)):
         ref = warper(ids, ref)
     torch.testing.assert_close(params.probs(logits), torch.softmax(ref, dim=-1))
+
+
+@pytest.mark.parametrize("top_p", [0.5, 0.95, 0.999])
+def test_a_nucleus_wider_than_the_first_candidates_still_matches_transformers(top_p):
+    # Nearly flat logits over 5,000 tokens: the nucleus holds hundreds to thousands of tokens,
+    # far more than the partial selection looks at first.
+    logits = torch.randn(2, 5000, generator=torch.Generator().manual_seed(2)) * 0.3
+    ref = TopPLogitsWarper(top_p)(torch.zeros(2, 1, dtype=torch.long), logits.clone())
+    ours = SamplingParams(temperature=1.0, top_p=top_p).probs(logits)
+    assert torch.equal(ours > 0, torch.softmax(ref, dim=-1) > 0)
+    assert int((ours[0] > 0).sum()) > 64
+    torch.testing.assert_close(ours, torch.softmax(ref, dim=-1))
+
+
+def test_a_draw_follows_the_probabilities_and_never_picks_a_zero():
+    gen = torch.Generator().manual_seed(3)
+    probs = torch.softmax(torch.randn(VOCAB, generator=gen) * 1.5, dim=-1)
+    probs[[0, 4, VOCAB - 1]] = 0.0  # the first, a middle and the last entry cut off
+    probs /= probs.sum()
+    draws = [sample(probs, gen) for _ in range(20000)]
+    assert not {0, 4, VOCAB - 1} & set(draws)
+    assert chi_square_pvalue(draws, probs.numpy()) > 1e-3
 
 
 def tiny_vocab_tokenizer() -> PreTrainedTokenizerFast:

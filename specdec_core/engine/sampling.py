@@ -12,6 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
+# The candidates a top-p cut looks at first (the nucleus at usual settings is smaller).
+_FIRST_CANDIDATES = 64
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -38,18 +41,31 @@ class SamplingParams:
 
 
 def _top_p_mask(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    # As transformers' TopPLogitsWarper: drop the low tail whose mass is <= 1 - top_p,
-    # always keeping at least the most likely token.
-    sorted_logits, sorted_idx = torch.sort(logits, descending=False, dim=-1)
-    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-    remove_sorted = cumulative <= (1 - top_p)
-    remove_sorted[..., -1:] = False
-    remove = remove_sorted.scatter(-1, sorted_idx, remove_sorted)
-    return logits.masked_fill(remove, float("-inf"))
+    # As transformers' TopPLogitsWarper: drop the low tail whose mass is <= 1 - top_p, always
+    # keeping the most likely token. A token is dropped exactly when the mass ranked above it
+    # is >= top_p, so only the head of the ranking is needed: the most likely few candidates,
+    # four times as many until their mass reaches top_p (a partial selection, not a sort of
+    # the whole vocabulary).
+    probs = logits.softmax(dim=-1)
+    vocab = probs.shape[-1]
+    n = min(_FIRST_CANDIDATES, vocab)
+    while True:
+        top, index = probs.topk(n, dim=-1)
+        mass = top.cumsum(dim=-1)
+        if n == vocab or bool((mass[..., -1] >= top_p).all()):
+            break
+        n = min(4 * n, vocab)
+    keep_sorted = (mass - top) < top_p
+    keep_sorted[..., 0] = True
+    keep = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, index, keep_sorted)
+    return logits.masked_fill(~keep, float("-inf"))
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """probs: [V] -> one token id, drawn on the generator's device.
+
+    One uniform draw against the cumulative distribution (the inverse CDF): one random
+    number per token, where `torch.multinomial` draws one per vocabulary entry.
 
     The engine seeds one CPU generator for a run whatever the models' device, so a
     seed gives the same draws on CPU and CUDA; the probabilities (a few hundred KB)
@@ -58,7 +74,11 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """
     if generator is not None and probs.device != generator.device:
         probs = probs.to(generator.device)
-    return int(torch.multinomial(probs, 1, generator=generator).item())
+    cumulative = probs.double().cumsum(dim=-1)
+    u = float(torch.rand(1, generator=generator, device=probs.device)) * float(cumulative[-1])
+    index = int(torch.searchsorted(cumulative, torch.tensor([u], dtype=torch.float64, device=probs.device), right=True))
+    # u < total, so index < V; a zero-probability entry spans no width and is never drawn.
+    return min(index, probs.shape[-1] - 1)
 
 
 def uniforms(n: int, generator: torch.Generator | None) -> list[float]:
