@@ -422,7 +422,7 @@ def test_the_peers_own_cpu_time_is_not_taken_for_a_neighbours_load(monkeypatch: 
             return 2.0  # both cores: the server answering while our engine waited
 
     class AnsweringServer:
-        def complete(self, prompt_ids: list[int], max_new_tokens: int) -> dict:
+        def complete(self, prompt_ids: list[int], max_new_tokens: int, decoding: object = None) -> dict:
             return {"tokens": [5, 6], "timings": {"prompt_ms": 10.0, "predicted_ms": 20.0}}
 
     probe = CountingProbe()
@@ -479,3 +479,41 @@ def test_the_peer_by_default_is_llama_cpp_built_for_this_cpu_its_no_amx_build_fi
         binary.parent.mkdir(parents=True)
         binary.write_text("")
         assert llama_server.find_llama_server() == binary
+
+
+def sampled_bench(pair_dirs: tuple[Path, Path], out: Path, seed: int) -> dict:
+    target, draft = pair_dirs
+    out.mkdir()
+    prompts = out / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps(p) for p in PROMPTS) + "\n")
+    governor = default_governor()
+    governor.pin(1)
+    try:
+        code = main([
+            "bench", "--target", str(target), "--draft", str(draft), "--device", "cpu", "--precision", "fp32",
+            "--prompts", str(prompts), "--max-new-tokens", "12", "--draft-length", "3", "--warmup-tokens", "4",
+            "--methods", "target,ours-off,ours-draft", "--temperature", "0.8", "--top-p", "0.9",
+            "--seed", str(seed), "--json", str(out / "bench.json"), "--markdown", str(out / "bench.md"),
+        ])  # fmt: skip
+    finally:
+        governor.pin(None)
+    assert code == 0
+    return json.loads((out / "bench.json").read_text())
+
+
+def test_a_sampled_bench_draws_every_method_seeded_and_does_not_compare_texts(pair_dirs, tmp_path):
+    first = sampled_bench(pair_dirs, tmp_path / "a", seed=5)
+    again = sampled_bench(pair_dirs, tmp_path / "b", seed=5)
+    assert first["config"]["decoding"] == {"temperature": 0.8, "top_k": 0, "top_p": 0.9, "seed": 5}
+    assert all(r["sampled"] for r in first["results"])
+    assert first["summary"]["methods"]["ours-draft"]["all"]["identity_rate"] is None
+    assert "**no**" not in (tmp_path / "a" / "bench.md").read_text()  # no text is called different
+    tokens = {(r["prompt_id"], r["method"]): r["new_tokens"] for r in first["results"]}
+    assert tokens == {(r["prompt_id"], r["method"]): r["new_tokens"] for r in again["results"]}
+
+
+def test_a_negative_temperature_is_refused_in_one_line(pair_dirs, capsys):
+    target, _ = pair_dirs
+    assert main(["bench", "--target", str(target), "--draft", "ngram", "--temperature", "-1"]) != 0
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("specdec: error: --temperature") and "\n" not in err

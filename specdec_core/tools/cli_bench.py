@@ -30,6 +30,7 @@ from .bench import (
     BenchPrompt,
     BenchReport,
     BenchSettings,
+    Decoding,
     Method,
     build_methods,
     check_exactness,
@@ -45,7 +46,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "bench",
         help="time our engine against the target alone and transformers' assisted generation",
-        description="Runs every method on every prompt, interleaved, greedy, same weights and precision.",
+        description="Runs every method on every prompt, interleaved, same weights and precision: greedy "
+        "(texts compared with the target's), or seeded sampling with --temperature.",
     )
     from ..models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
 
@@ -79,6 +81,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--draft-length", default="auto", help="our methods' k: 'auto' (adaptive, as the app) or a fixed K"
     )
     p.add_argument("--warmup-tokens", type=int, default=16, help="length of each method's warm-up generation")
+    p.add_argument(
+        "--temperature", type=float, default=0.0,
+        help="sample every method at this temperature, seeded (0: greedy, texts compared)",
+    )  # fmt: skip
+    p.add_argument("--top-k", type=int, default=0, help="with --temperature: top-k (0: off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="with --temperature: top-p (1: off)")
+    p.add_argument("--seed", type=int, default=0, help="with --temperature: every method's seed")
     p.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the full results as JSON")
     p.add_argument("--markdown", type=Path, default=None, metavar="OUT", help="write a readable report")
     p.add_argument("--plot", type=Path, default=None, metavar="OUT.png", help="bar chart of speedups")
@@ -117,7 +126,7 @@ def _bench(args: argparse.Namespace) -> int:
     target_ref, draft_spec = args.target, args.draft
     methods = _method_names(args.methods, draft_spec)
     prompts = _select_prompts(args)
-    settings = BenchSettings(args.max_new_tokens, args.repeats, args.warmup_tokens)
+    settings = BenchSettings(args.max_new_tokens, args.repeats, args.warmup_tokens, _decoding(args))
     if settings.max_new_tokens < 1 or settings.repeats < 1:
         raise SpecdecError("--max-new-tokens and --repeats must be at least 1")
     draft_length = parse_draft_length(args.draft_length)
@@ -138,10 +147,10 @@ def _bench(args: argparse.Namespace) -> int:
     if args.under_load:
         return _under_load(target, prompts[0], machine, args)
     print(f"specdec bench: target on {target.description}, calibrating…", file=sys.stderr)
-    built = _build_ours(methods, target, draft, draft_length)
+    built = _build_ours(methods, target, draft, draft_length, settings.decoding)
     exactness = check_exactness(built)
     with ExitStack() as servers:
-        peers, skipped = _start_peers(methods, target_ref, draft_spec, args, servers)
+        peers, skipped = _start_peers(methods, target_ref, draft_spec, args, servers, settings.decoding)
         everything: dict[str, Method] = {**built, **peers}
         start = time.perf_counter()
         label = str(exactness["label"]) if exactness else "unchecked"
@@ -179,6 +188,7 @@ def _run_config(
         "prompts": prompts,
         "auto_drafter": AUTO_DRAFTER,
         "draft_length": args.draft_length,
+        "decoding": asdict(settings.decoding),
         "threads": _threads_config(),
     }
 
@@ -193,7 +203,16 @@ def _int8_kernel(device: str, precision: str) -> str | None:
     return f"{name} ({os.environ[ONEDNN_ISA_ENV]})" if name == "onednn" and ONEDNN_ISA_ENV in os.environ else name
 
 
-def _build_ours(methods: list[str], target: Any, draft: Any, draft_length: int | None) -> dict[str, Method]:
+def _decoding(args: argparse.Namespace) -> Decoding:
+    """Every method's way of picking tokens, checked as the session checks a chat's parameters."""
+    if args.temperature < 0 or args.top_k < 0 or not 0 < args.top_p <= 1:
+        raise SpecdecError("--temperature and --top-k must be at least 0, --top-p in (0, 1]")
+    return Decoding(args.temperature, args.top_k, args.top_p, args.seed)
+
+
+def _build_ours(
+    methods: list[str], target: Any, draft: Any, draft_length: int | None, decoding: Decoding
+) -> dict[str, Method]:
     from ..models.chat import stop_token_ids
 
     return build_methods(
@@ -204,19 +223,23 @@ def _build_ours(methods: list[str], target: Any, draft: Any, draft_length: int |
         draft_model=draft.model if draft else None,
         draft_name=draft.name if draft else "draft",
         draft_length=draft_length,
+        decoding=decoding,
     )
 
 
 def _start_peers(
-    methods: list[str], target_ref: str, draft_spec: str, args: argparse.Namespace, stack: ExitStack
-) -> tuple[dict[str, Method], dict[str, str]]:
+    methods: list[str], target_ref: str, draft_spec: str, args: argparse.Namespace, stack: ExitStack,
+    decoding: Decoding,
+) -> tuple[dict[str, Method], dict[str, str]]:  # fmt: skip
     """llama.cpp's server at our thread count; skipped methods are said on stderr and kept in the JSON."""
     wanted = [m for m in methods if m in PEER_METHODS]
     if wanted:
         print("specdec bench: starting llama-server…", file=sys.stderr)
     draft_ref = None if draft_spec in ("ngram", "none") else draft_spec
     threads = default_governor().max_threads
-    peers, skipped = start_peers(wanted, target_ref, draft_ref, threads, stack, args.llama_server)
+    peers, skipped = start_peers(
+        wanted, target_ref, draft_ref, threads, stack, args.llama_server, decoding=decoding
+    )
     for name, reason in skipped.items():
         print(f"specdec bench: skipping {name}: {reason}", file=sys.stderr)
     return dict(peers), skipped

@@ -38,7 +38,7 @@ from ...disk_cache import cache_dir
 from ...errors import SpecdecError
 from ...kernels.cpu import features
 from ...kernels.cpu.threads import default_governor
-from .methods import LLAMA_SERVER_DRAFT, PEER_METHODS, Run
+from .methods import GREEDY, LLAMA_SERVER_DRAFT, PEER_METHODS, Decoding, Run
 
 BINARY_NAMES = ("llama-server", "llama-server-vulkan")
 LLAMA_CPP_VERSION = "0.3.36"  # the llama-cpp-python sdist scripts/build-llama-cpp builds from
@@ -187,14 +187,17 @@ class LlamaServer:
         lines = [ln for ln in self.log_path.read_text(errors="replace").splitlines() if ln.strip()]
         return f": {lines[-1].strip()} (log: {self.log_path})" if lines else ""
 
-    def complete(self, prompt_ids: Sequence[int], max_new_tokens: int) -> dict:
+    def complete(self, prompt_ids: Sequence[int], max_new_tokens: int, decoding: Decoding = GREEDY) -> dict:
         body = {
             "prompt": list(prompt_ids),
             "n_predict": max_new_tokens,
-            "temperature": 0.0,
+            "temperature": decoding.temperature,
+            "top_k": decoding.top_k,
+            "top_p": decoding.top_p,
+            "min_p": 0.0,  # llama.cpp's own default cut, which ours and transformers' do not have
             "cache_prompt": False,
             "return_tokens": True,
-            "seed": 0,
+            "seed": decoding.seed,
         }
         request = urllib.request.Request(
             self.url + "/completion",
@@ -228,12 +231,13 @@ def _free_port() -> int:
 class LlamaServerMethod:
     """One bench method backed by a running server; seconds from the server's own timings."""
 
-    def __init__(self, name: str, server: LlamaServer) -> None:
+    def __init__(self, name: str, server: LlamaServer, decoding: Decoding = GREEDY) -> None:
         self.name = name
         self.server = server
+        self.decoding = decoding
 
     def run(self, prompt_ids: Sequence[int], max_new_tokens: int) -> Run:
-        reply = self.server.complete(prompt_ids, max_new_tokens)
+        reply = self.server.complete(prompt_ids, max_new_tokens, self.decoding)
         # The server's cores were busy for us, not against us: the methods that run next
         # must not take them for another process's load (threads.py).
         default_governor().restart_window()
@@ -254,6 +258,7 @@ def start_peers(
     stack: ExitStack,
     binary: Path | None = None,
     log_dir: Path | None = None,
+    decoding: Decoding = GREEDY,
 ) -> tuple[dict[str, LlamaServerMethod], dict[str, str]]:
     """Start a server for each requested peer method that can run: (methods, {skipped: reason}).
 
@@ -284,5 +289,5 @@ def start_peers(
             skipped[name] = str(exc)
             continue
         stack.callback(server.close)
-        methods[name] = LlamaServerMethod(name, server)
+        methods[name] = LlamaServerMethod(name, server, decoding)
     return methods, skipped

@@ -1,7 +1,8 @@
 """The methods `specdec bench` times: transformers' `generate` and our engine.
 
 Every method runs in this one process on the same model objects (same weights,
-same precision, same device), greedy:
+same precision, same device), greedy unless a `Decoding` samples (then every method
+draws with the same temperature, top-k, top-p and seed, and texts are not compared):
 
 - `target`           transformers' own `generate` with the target alone: the reference
                      output and the baseline speed;
@@ -51,6 +52,23 @@ AUTO_DRAFTER = "ngram+draft"
 
 
 @dataclass(frozen=True)
+class Decoding:
+    """How every method picks its tokens: greedy (temperature 0), or seeded sampling."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+GREEDY = Decoding()
+
+
+@dataclass(frozen=True)
 class Run:
     """One timed generation."""
 
@@ -66,7 +84,7 @@ class Method(Protocol):
 
 
 class HfMethod:
-    """transformers' own `generate`, greedy, with a clean generation config.
+    """transformers' own `generate` (greedy, or seeded sampling) with a clean generation config.
 
     A model's shipped `generation_config` (e.g. Qwen's repetition_penalty 1.1) would
     fill every field we leave unset and change the output, so while we generate,
@@ -81,8 +99,10 @@ class HfMethod:
         pad_token_id: int,
         assistant: Any = None,
         prompt_lookup_num_tokens: int | None = None,
+        decoding: Decoding = GREEDY,
     ) -> None:
         self.name = name
+        self.decoding = decoding
         self.model = model
         self.assistant = assistant
         self.stop_token_ids = sorted(stop_token_ids)
@@ -92,8 +112,13 @@ class HfMethod:
     def generation_config(self, max_new_tokens: int) -> Any:
         from transformers import GenerationConfig
 
+        sampled = {} if self.decoding.greedy else {
+            "temperature": self.decoding.temperature, "top_k": self.decoding.top_k or None,
+            "top_p": self.decoding.top_p,
+        }  # fmt: skip
         return GenerationConfig(
-            do_sample=False,
+            do_sample=not self.decoding.greedy,
+            **sampled,
             num_beams=1,
             max_new_tokens=max_new_tokens,
             eos_token_id=self.stop_token_ids,
@@ -110,6 +135,7 @@ class HfMethod:
         # generate() has no step hook: the thread count is chosen once per call, as the
         # governor would at the first step of ours, so load hits both alike.
         default_governor().maybe_adjust()
+        torch.manual_seed(self.decoding.seed)
         with _library_generation_defaults(models), torch.inference_mode():
             start = time.perf_counter()
             out = self.model.generate(
@@ -141,16 +167,23 @@ def _library_generation_defaults(models: Sequence[Any]) -> Iterator[None]:
 class EngineMethod:
     """Our engine with one drafter, timed around the whole event stream."""
 
-    def __init__(self, name: str, engine: SpeculativeEngine, draft_length: int | None = None) -> None:
+    def __init__(
+        self, name: str, engine: SpeculativeEngine, draft_length: int | None = None, decoding: Decoding = GREEDY
+    ) -> None:
         self.name = name
         self.engine = engine
         self.draft_length = draft_length
+        self.decoding = decoding
 
     def run(self, prompt_ids: Sequence[int], max_new_tokens: int) -> Run:
         # Empty caches, as transformers starts with: a fair prefill for every method.
         self.engine.target.reset()
         self.engine.drafter.reset()
-        params = GenerationParams(max_new_tokens=max_new_tokens, draft_length=self.draft_length)
+        d = self.decoding
+        params = GenerationParams(
+            max_new_tokens=max_new_tokens, draft_length=self.draft_length, temperature=d.temperature,
+            top_k=d.top_k, top_p=d.top_p, seed=d.seed,
+        )  # fmt: skip
         done: DoneEvent | None = None
         start = time.perf_counter()
         for event in self.engine.generate(prompt_ids, params):
@@ -174,13 +207,15 @@ def build_methods(
     draft_name: str = "draft",
     calibrate: bool = True,
     draft_length: int | None = None,
+    decoding: Decoding = GREEDY,
 ) -> dict[str, Method]:
     """The requested methods over one target (and draft) model, in `METHODS` order
     (the peer's, also accepted in `names`, are started by `llama_server.start_peers`).
 
     Each of our methods gets its own engine (own caches and measured costs) over the
     shared model objects; `calibrate` times them as the app does when it loads a pair.
-    `draft_length` pins k for our methods (None: adaptive, as the app runs).
+    `draft_length` pins k for our methods (None: adaptive, as the app runs); `decoding`
+    is every method's way of picking tokens.
     """
     unknown = sorted(set(names) - set(ALL_METHODS))
     if unknown:
@@ -205,12 +240,12 @@ def build_methods(
         engine = SpeculativeEngine(target_model, tokenizer, drafter(kind), stop_token_ids=stop_token_ids)
         if calibrate and kind != "none":
             engine.calibrate()
-        return EngineMethod(name, engine, draft_length)
+        return EngineMethod(name, engine, draft_length, decoding)
 
     factories: dict[str, Callable[[], Method]] = {
-        "target": lambda: HfMethod("target", target_model, stop_token_ids, pad),
+        "target": lambda: HfMethod("target", target_model, stop_token_ids, pad, decoding=decoding),
         "hf-assisted": lambda: HfMethod(
-            "hf-assisted", target_model, stop_token_ids, pad, assistant=draft_model
+            "hf-assisted", target_model, stop_token_ids, pad, assistant=draft_model, decoding=decoding
         ),
         "hf-prompt-lookup": lambda: HfMethod(
             "hf-prompt-lookup",
@@ -218,6 +253,7 @@ def build_methods(
             stop_token_ids,
             pad,
             prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS,
+            decoding=decoding,
         ),
         "ours-off": lambda: engine_method("ours-off", "none"),
         "ours-draft": lambda: engine_method("ours-draft", "draft"),

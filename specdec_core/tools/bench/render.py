@@ -146,7 +146,7 @@ def peer_table(report: BenchReport) -> list[str]:
         same = [r for r in report.results if r.method == method and r.reference != method]
         identity = (
             f"{sum(r.identical_to_target for r in same)}/{len(same)} (vs {same[0].reference})"
-            if same
+            if same and not same[0].sampled
             else "–"
         )
         tps = "–" if s.geomean_tokens_per_s is None else f"{s.geomean_tokens_per_s:.2f}"
@@ -229,7 +229,7 @@ def _results_table(results: list[Result]) -> list[str]:
 
 
 def _identity(r: Result) -> str:
-    if r.reference == r.method:
+    if r.reference == r.method or r.sampled:
         return "–"
     suffix = "" if r.reference == "target" else f" (vs {r.reference})"
     return ("yes" if r.identical_to_target else f"**no** (token {r.first_divergence})") + suffix

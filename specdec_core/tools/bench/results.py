@@ -66,6 +66,7 @@ class Result:
     engine: EngineFigures | None = None
     reference: str = BASELINE
     speedup_vs_llama_server: float | None = None
+    sampled: bool = False  # seeded sampling: texts differ by design and are not compared
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -117,9 +118,11 @@ def _rate(runs: Sequence[Run]) -> float:
 
 
 def prompt_results(
-    prompt: BenchPrompt, prompt_len: int, runs: dict[str, list[Run]], exactness: str = "unchecked"
-) -> list[Result]:
-    """One `Result` per method from its repeats on one prompt."""
+    prompt: BenchPrompt, prompt_len: int, runs: dict[str, list[Run]], exactness: str = "unchecked",
+    sampled: bool = False,
+) -> list[Result]:  # fmt: skip
+    """One `Result` per method from its repeats on one prompt; sampled runs' texts are not
+    compared (each method draws its own tokens)."""
     base_rate = _rate(runs[BASELINE])
     hf_rate = _rate(runs[HF_ASSISTED]) if HF_ASSISTED in runs else None
     peer_rate = _rate(runs[LLAMA_SERVER]) if LLAMA_SERVER in runs else None
@@ -132,6 +135,7 @@ def prompt_results(
         speedup = tps / base_rate if base_rate > 0 else 0.0
         # Identical only if every repeat reproduced the reference.
         diverged = [d for r in method_runs if (d := first_divergence(r.token_ids, expected)) is not None]
+        diverged = [] if sampled else diverged
         results.append(
             Result(
                 prompt_id=prompt.id,
@@ -149,6 +153,7 @@ def prompt_results(
                 engine=_engine_figures(median.stats, speedup, exactness) if median.stats else None,
                 reference=reference,
                 speedup_vs_llama_server=tps / peer_rate if peer_rate else None,
+                sampled=sampled,
             )
         )
     return results
@@ -173,7 +178,7 @@ class GroupSummary:
     geomean_speedup_vs_hf_assisted: float | None
     worst_prompt: str
     worst_speedup_vs_target: float
-    identity_rate: float
+    identity_rate: float | None  # None for sampled runs (texts not compared)
     median_tokens_per_s: float
     mean_acceptance_rate: float | None = None
     geomean_efficiency: float | None = None
@@ -193,7 +198,8 @@ def summarize_group(results: Sequence[Result]) -> GroupSummary:
         ),
         worst_prompt=worst.prompt_id,
         worst_speedup_vs_target=worst.speedup_vs_target,
-        identity_rate=sum(r.identical_to_target for r in results) / len(results),
+        identity_rate=None if any(r.sampled for r in results)
+        else sum(r.identical_to_target for r in results) / len(results),
         median_tokens_per_s=statistics.median(r.tokens_per_s for r in results),
         mean_acceptance_rate=statistics.fmean(e.acceptance_rate for e in drafted) if drafted else None,
         geomean_efficiency=geomean([e.efficiency for e in drafted]) if drafted else None,

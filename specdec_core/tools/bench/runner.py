@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...engine.selfcheck import check_exactness as selfcheck
-from .methods import EngineMethod, Method, Run
+from .methods import GREEDY, Decoding, EngineMethod, Method, Run
 from .prompts import BenchPrompt, encode_prompt
 from .results import Result, prompt_results
 
@@ -34,6 +34,7 @@ class BenchSettings:
     max_new_tokens: int = 128
     repeats: int = 1
     warmup_tokens: int = 16
+    decoding: Decoding = GREEDY
 
 
 def check_exactness(methods: dict[str, Method]) -> dict[str, object] | None:
@@ -83,5 +84,5 @@ def run_bench(
                 if progress:
                     tps = len(run.token_ids) / run.seconds if run.seconds > 0 else 0.0
                     progress(BenchProgress(done, total, prompt.id, name, tps))
-        results.extend(prompt_results(prompt, len(ids), runs, exactness))
+        results.extend(prompt_results(prompt, len(ids), runs, exactness, sampled=not settings.decoding.greedy))
     return results

@@ -73,6 +73,8 @@ def measure(target: Target, results: Sequence[Result]) -> float | None:
     if not mine:
         return None
     if target.aggregate == "identity":
+        if any(r.sampled for r in mine):
+            return None  # sampled texts differ by design
         return sum(r.identical_to_target for r in mine) / len(mine)
     if target.aggregate == "efficiency":
         drafted = [r.engine.efficiency for r in mine if r.engine is not None and r.engine.mean_k > 0]
