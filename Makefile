@@ -14,7 +14,7 @@ KERNEL_TESTS := tests/test_native.py tests/test_int4_cpu.py tests/test_layers_cp
 	tests/test_draft_bulk.py tests/test_gguf_blocks.py tests/test_gguf_int.py tests/test_gguf_repacked.py
 KERNEL_TESTS_ONCE := -k "not every_build_this_cpu_runs and not back_to_back_ops"
 
-.PHONY: run test test-isas lint venv bundle clean
+.PHONY: run test test-isas test-parity lint venv bundle clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -46,6 +46,16 @@ test-isas: $(STAMP)
 	@echo "no C compiler on PATH"
 	PATH="$$($(PY) scripts/path-without-cc build/no-cc)" env -u CC QT_QPA_PLATFORM=offscreen \
 		$(PY) -m pytest -q -p no:cacheprovider $(KERNEL_TESTS_ONCE) $(KERNEL_TESTS)
+
+# A GGUF run as stored against llama.cpp itself, the oracle of what the file means
+# (tests/test_llama_parity.py), with llama.cpp built first if needed. Its build without AMX:
+# the parity needs ggml's plain CPU kernels, not its speed, and that build runs on every CPU,
+# also those that report AMX but trap on its instructions. The suite is told where the build
+# is, so it runs instead of skipping.
+test-parity: $(STAMP)
+	paths="$$(PYTHON=$(PY) scripts/build-llama-cpp --no-amx)" && \
+	SPECDEC_LLAMA_CPP_BIN="$$(dirname "$$(echo "$$paths" | head -n1)")" QT_QPA_PLATFORM=offscreen \
+		$(PY) -m pytest -q -p no:cacheprovider -rsx tests/test_llama_parity.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check specdec_core app tests
