@@ -122,7 +122,18 @@ def test_auto_leaves_a_fast_type_to_the_converted_path_where_the_kernels_do_not_
     file = read_gguf(tiny_gguf)
     assert not gguf_native.runs_fast(file)  # the fallback de-quantizes on every call: not fast
     monkeypatch.setattr(native, "unavailable", lambda: None)
+    monkeypatch.setattr(native, "isa", lambda: "avx2")
     assert gguf_native.runs_fast(file)
+
+
+@needs_kernel
+def test_auto_leaves_a_fast_type_to_int8_on_the_scalar_build(tiny_gguf, monkeypatch):
+    """README: the scalar build runs `auto` at int8; the repacked 4-bit kernel is not fast there."""
+    monkeypatch.setattr(gguf_native, "FAST_TYPES", frozenset({0, 8}))  # F32 and Q8_0
+    monkeypatch.setenv("SPECDEC_ISA", "scalar")
+    assert not gguf_native.runs_fast(read_gguf(tiny_gguf))
+    loaded = load_model(str(tiny_gguf), device="cpu", precision="auto")
+    assert loaded.precision == "int8" and loaded.fidelity.startswith("re-quantized: int8 from")
 
 
 @needs_kernel

@@ -321,6 +321,26 @@ def test_auto_keeps_todays_path_where_the_recipe_is_not_fast(tiny_folder):
     )
 
 
+@needs_kernel
+def test_auto_keeps_a_folder_off_the_4_bit_blocks_on_the_scalar_build(wide_folder, monkeypatch):
+    """README: the scalar build runs `auto` at int8, where Q4_K_M's kernels are not fast."""
+    from specdec_core.models import hf_blocks
+    from specdec_core.models.loading import load_model
+
+    planned = hf_blocks.plan(load_config_of(wide_folder), hf_blocks.shapes_of(wide_folder), "q4_k_m")
+    assert hf_blocks.runs_fast(planned) == (native.isa() != "scalar")  # a vector build: fast
+    monkeypatch.setenv("SPECDEC_ISA", "scalar")
+    assert not hf_blocks.runs_fast(planned)
+    loaded = load_model(str(wide_folder), device="cpu", precision="auto")
+    assert loaded.precision == "int8" and copies() == []
+
+
+def load_config_of(folder: Path):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(folder)
+
+
 def test_an_unmapped_family_or_no_compiler_is_todays_path_at_auto_and_one_line_when_asked(
     wide_folder, monkeypatch
 ):

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from ..errors import ModelLoadError
+from ..kernels.cpu import native
 from ..kernels.cpu.gguf_blocks import F32 as F32_ROWS
 from ..kernels.cpu.gguf_blocks import (
     FALLBACK,
@@ -33,7 +34,6 @@ from ..kernels.cpu.gguf_blocks import (
     GGUFLinear,
     UnsupportedBlockType,
     block_type,
-    kernels_run,
     repacks,
 )
 from ..kernels.cpu.int4_cpu import K_SCALES, Int4Linear
@@ -93,10 +93,11 @@ def refusal(file: GGUFFile) -> str | None:
 
 
 def runs_fast(file: GGUFFile) -> bool:
-    """Every tensor of a type in FAST_TYPES, and any quantized ones run by the kernels, not
-    by the fallback (which de-quantizes on every call)."""
+    """Every tensor of a type in FAST_TYPES, and any quantized ones run by a vector build of the
+    kernels: not by the fallback (which de-quantizes on every call), nor by the scalar build,
+    where `auto` takes int8 (README's precisions; loading.resolve_precision)."""
     quantized = {info.qtype for info in file.tensors.values()} - {F32}
-    return quantized <= FAST_TYPES and (not quantized or kernels_run())
+    return quantized <= FAST_TYPES and (not quantized or native.vector_build())
 
 
 def fidelity(file: GGUFFile, model: nn.Module) -> str:

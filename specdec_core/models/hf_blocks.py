@@ -149,8 +149,9 @@ def plan(config: Any, shapes: dict[str, tuple[int, ...]], mix: str) -> list[Plan
 
 
 def runs_fast(planned: Iterable[Planned]) -> bool:
-    """Every type one the kernels run at about int4's pace (gguf_native.FAST_TYPES), and the kernels built."""
-    return {int(p.qtype) for p in planned} <= gguf_native.FAST_TYPES and native.unavailable() is None
+    """Every type one the kernels run at about int4's pace (gguf_native.FAST_TYPES), in a vector
+    build of the kernels (the scalar one is slower than int8: README's precisions)."""
+    return {int(p.qtype) for p in planned} <= gguf_native.FAST_TYPES and native.vector_build()
 
 
 def refusal(folder: Path, config: Any) -> str | None:
