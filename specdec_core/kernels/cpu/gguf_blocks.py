@@ -12,9 +12,13 @@ the same whatever the number of rows in the call and the thread count: what spec
 decoding's exactness needs.
 
 Where the C kernels cannot run (no compiler: `native.unavailable()` says why), the linear
-dequantizes its weights with `gguf.quants` on every call and multiplies a row at a time in
-torch: slower, the same weights, its own (fixed-shape) summation order. `GGUFLinear.path` says
-which of the two runs, for the fidelity label.
+de-quantizes its weights with `gguf.quants` and multiplies fp32 rows in torch: slower, the same
+weights bit for bit, no rounding of the activations, and still batch-invariant: the rows go
+through the matmul in chunks of a fixed count (batch_invariant.in_fixed_rows), because torch's
+1-row product (a gemv) sums in an order that can change with the thread count. The de-quantized
+weights are kept for the next call while they leave a quarter of the machine's memory free
+(`_room_for`); past that each call de-quantizes again (slow, the same numbers). `GGUFLinear.path`
+says which of the two runs, for the fidelity label (`FALLBACK_NOTE`).
 
 Activations (`GGUFLinear.activations`): with `"q8"`, the default wherever the kernels run a
 quantized type, each row of x is first quantized to the Q8 blocks llama.cpp pairs with the
@@ -42,12 +46,14 @@ import weakref
 from typing import Any
 
 import numpy as np
+import psutil
 import torch
 import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
 from torch import nn
 
+from ..batch_invariant import in_fixed_rows
 from . import native
 from .int4_cpu import K_SCALES, LANES, Int4Linear
 
@@ -65,7 +71,11 @@ SUPPORTED = (
     GGMLQuantizationType.Q6_K,
 )
 NATIVE = "native"  # gguf_cpu.c, the blocks decoded in registers
-FALLBACK = "fallback"  # gguf.quants dequantizes the blocks on every call, torch multiplies
+FALLBACK = "fallback"  # gguf.quants de-quantizes the blocks, torch multiplies fixed-rows chunks
+# What the fallback computes, for the fidelity label: the file's weights, unrounded rows, exact.
+FALLBACK_NOTE = "de-quantized into torch, fp32 activations"
+# The share of the machine's memory the fallback's kept de-quantized weights leave free.
+_KEEP_FREE = 0.25
 Q8 = "q8"  # rows quantized to llama.cpp's Q8 blocks, integer block products
 F32 = "f32"  # rows as they are, fp32
 I8 = "i8"  # rows quantized to int8 per 32 inputs, the blocks repacked for int4_cpu.c's kernel
@@ -198,6 +208,7 @@ class GGUFLinear(nn.Module):
         self.path = NATIVE if self.fallback_reason is None else FALLBACK
         self.activations = self._activations(activations)
         self.packed: np.ndarray | None = self._repack() if self.activations == I8 else None
+        self._dense: torch.Tensor | None = None  # the fallback's de-quantized weights, where kept
 
     def _repack(self) -> np.ndarray:
         """The blocks in int4_cpu.c's layout for this type (a copy in memory; the same values)."""
@@ -296,9 +307,17 @@ class GGUFLinear(nn.Module):
         return y
 
     def _fallback(self, rows: torch.Tensor) -> torch.Tensor:
-        """A row at a time, so torch's matmul sees one shape whatever the batch."""
+        """Chunks of a fixed row count, so torch's matmul sees one shape whatever the batch
+        and sums a row in the same order at any thread count."""
+        weight = self._dense if self._dense is not None else self._fallback_weight()
+        return in_fixed_rows(lambda chunk: F.linear(chunk, weight, self.bias), rows, self.out_features)
+
+    def _fallback_weight(self) -> torch.Tensor:
+        """The de-quantized weights, kept for the next call where memory allows."""
         weight = self.dense_weight()
-        return torch.cat([F.linear(row, weight, self.bias) for row in rows.split(1)])
+        if _room_for(weight.nbytes):
+            self._dense = weight
+        return weight
 
     def dense_weight(self) -> torch.Tensor:
         """The weights as floats [out, in]: exactly the values either path multiplies by."""
@@ -333,3 +352,9 @@ class GGUFLinear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, qtype={self.qtype.name}, "
             f"path={self.path}, activations={self.activations}"
         )
+
+
+def _room_for(nbytes: int) -> bool:
+    """Whether `nbytes` more in memory still leave _KEEP_FREE of the machine's memory available."""
+    memory = psutil.virtual_memory()
+    return memory.available - nbytes >= _KEEP_FREE * memory.total
