@@ -47,7 +47,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
 from torch import nn
 
 from ..disk_cache import conversion_lock, converted_dir, file_sha256, sweep_stale_temporaries
-from ..engine.fidelity import Fidelity, measure
+from ..engine.fidelity import Fidelity, document_ids, measure, tokenizer_bos
 from ..errors import ModelLoadError
 from ..kernels.batch_invariant import plain_linears
 from ..kernels.cpu import native
@@ -329,19 +329,21 @@ def _gguf_name(source: str) -> str | None:
 
 
 def probe_ids(tokenizer: Any) -> list[int]:
-    """The probe text's token ids, at most PROBE_CHUNKS chunks of PROBE_CTX."""
+    """The probe text's token ids (after the tokenizer's BOS, where it adds one), at most
+    PROBE_CHUNKS chunks of PROBE_CTX."""
     text = resources.files("specdec_resources").joinpath(PROBE_TEXT).read_text(encoding="utf-8")
-    return list(tokenizer(text)["input_ids"])[: PROBE_CHUNKS * PROBE_CTX]
+    return document_ids(tokenizer, text, tokenizer_bos(tokenizer))[: PROBE_CHUNKS * PROBE_CTX]
 
 
 def measure_on_probe(model: nn.Module, reference: nn.Module, tokenizer: Any) -> Fidelity:
     """`model` against `reference` (the source's weights in fp32) on the probe text, in chunks of
-    PROBE_CTX tokens or the model's context if shorter; the reference runs whole matmuls."""
+    PROBE_CTX tokens or the model's context if shorter, each after the tokenizer's BOS where it
+    adds one (engine/fidelity.py); the reference runs whole matmuls."""
     plain_linears(reference)
     ids = probe_ids(tokenizer)
     limit = getattr(getattr(model, "config", None), "max_position_embeddings", None) or PROBE_CTX
     with torch.no_grad():
-        return measure(model, reference, ids, ctx=min(PROBE_CTX, limit, len(ids)))
+        return measure(model, reference, ids, ctx=min(PROBE_CTX, limit, len(ids)), bos=tokenizer_bos(tokenizer))
 
 
 def measure_probe(folder: Path, config: Any, gguf_path: Path, mix: str) -> Probe:
