@@ -7,7 +7,7 @@ import pytest
 from test_gguf_convert import write_tiny_llama_gguf
 
 from specdec_core.kernels.cpu import native
-from specdec_core.models import requant_probe
+from specdec_core.models import hf_blocks, requant_probe
 from specdec_core.models.loading import load_model
 
 needs_kernel = pytest.mark.skipif(native.unavailable() is not None, reason=str(native.unavailable()))
@@ -48,7 +48,7 @@ def test_a_gguf_re_quantized_says_its_measured_kl(tmp_path):
 
 
 def test_a_reference_too_big_for_memory_is_not_measured_and_the_label_says_so(tiny_folder, monkeypatch):
-    monkeypatch.setattr(requant_probe, "_available_bytes", lambda: 1024)
+    monkeypatch.setattr(hf_blocks, "available_bytes", lambda: 1024)
     loaded = load_model(str(tiny_folder), device="cpu", precision="int8")
     assert loaded.fidelity.endswith("(KL not measured: the fp32 reference would not fit in memory)")
 

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
 from torch import nn
@@ -68,6 +69,10 @@ PROBE_NAME = "probe.json"
 PROBE_TEXT = "fidelity_probe.txt"
 PROBE_CTX = 128
 PROBE_CHUNKS = 8  # at most: a tokenizer that splits the probe finely still measures in seconds
+# A probe loads the source's weights in fp32 beside the measured model: only where they take at
+# most this share of the memory available, else the label says the KL was not measured.
+REFERENCE_SHARE = 0.5
+NOT_MEASURED = "KL not measured: the fp32 reference would not fit in memory"
 _GLOBAL_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
@@ -89,18 +94,20 @@ class Planned:
 
 @dataclass(frozen=True)
 class Probe:
-    """The quantized model against the source in fp32 on the probe text (engine/fidelity.py)."""
+    """The quantized model against the source in fp32 on the probe text (engine/fidelity.py);
+    the figures None where the fp32 source would not fit in memory (`reference_fits`)."""
 
     mix: str  # "Q4_K_M"
     source_dtype: str  # "bf16"
-    kl_mean: float
-    kl_p99: float
-    top1_agreement: float
+    kl_mean: float | None
+    kl_p99: float | None
+    top1_agreement: float | None
     positions: int
     ctx: int
 
     def label(self) -> str:
-        return f"{self.mix} from {self.source_dtype} (KL {self.kl_mean:.4f} on the probe)"
+        measured = NOT_MEASURED if self.kl_mean is None else f"KL {self.kl_mean:.4f} on the probe"
+        return f"{self.mix} from {self.source_dtype} ({measured})"
 
 
 @dataclass(frozen=True)
@@ -346,11 +353,25 @@ def measure_on_probe(model: nn.Module, reference: nn.Module, tokenizer: Any) -> 
         return measure(model, reference, ids, ctx=min(PROBE_CTX, limit, len(ids)), bos=tokenizer_bos(tokenizer))
 
 
+def available_bytes() -> int:
+    """The memory the system can give this process without swapping."""
+    return int(psutil.virtual_memory().available)
+
+
+def reference_fits(parameters: int) -> bool:
+    """Whether a model of `parameters` weights in fp32 fits in REFERENCE_SHARE of the memory available."""
+    return parameters * 4 <= REFERENCE_SHARE * available_bytes()
+
+
 def measure_probe(folder: Path, config: Any, gguf_path: Path, mix: str) -> Probe:
-    """The GGUF's model (as a load runs it) against the folder's weights in fp32, on the probe."""
+    """The GGUF's model (as a load runs it) against the folder's weights in fp32, on the probe;
+    not measured where those would not fit in memory (`reference_fits`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dtype = source_dtype(config)  # before building: from_config sets the config's dtype
+    if not reference_fits(sum(int(np.prod(shape)) for shape in shapes_of(folder).values())):
+        return Probe(mix=MIXES[mix], source_dtype=dtype, kl_mean=None, kl_p99=None, top1_agreement=None,
+                     positions=0, ctx=0)  # fmt: skip
     quantized = gguf_native.build_model(read_gguf(gguf_path), config)
     source = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, use_kernels=False).eval()
     result = measure_on_probe(quantized, source, AutoTokenizer.from_pretrained(folder))

@@ -9,7 +9,8 @@ figures in the cache (`probes/<source key[:16]>-<precision>.json`). Every load's
 label then carries them: `re-quantized: int4 from Q4_K_M (KL 0.0330 on the probe)`.
 
 The fp32 reference holds the model's weights in fp32 for the measurement: where that is
-more than half the memory available, nothing is measured and the label says so. A draft
+more than half the memory available, nothing is measured and the label says so (the guard
+hf_blocks' own probe keeps too: `hf_blocks.reference_fits`). A draft
 is never measured: its numbers never reach the answer.
 """
 
@@ -25,7 +26,7 @@ from torch import nn
 
 from ..disk_cache import cache_dir
 from ..progress import Progress, ProgressCallback
-from .hf_blocks import measure_on_probe
+from .hf_blocks import NOT_MEASURED, measure_on_probe, reference_fits
 
 MEASURED = ("int4", "int8")  # the CPU precisions that round a source's weights again at load
 
@@ -35,7 +36,6 @@ def applies(device: str, precision: str, label: str) -> bool:
     if device == "cpu":
         return precision in MEASURED
     return device == "cuda" and label.startswith("re-quantized")
-_SHARE_OF_MEMORY = 0.5  # the fp32 reference may take at most this share of the memory available
 
 
 def probes_dir() -> Path:
@@ -54,9 +54,8 @@ def labelled(
     path = probe_path(source_key, precision)
     figures = _read(path)
     if figures is None:
-        available = _available_bytes()
-        if available is not None and parameters * 4 > _SHARE_OF_MEMORY * available:
-            return f"{label} (KL not measured: the fp32 reference would not fit in memory)"
+        if not reference_fits(parameters):
+            return f"{label} ({NOT_MEASURED})"
         if progress is not None:
             progress(Progress(f"Measuring {precision} against the source's weights (once)", 0, 0))
         figures = _measure(model, reference(), tokenizer)
@@ -89,14 +88,3 @@ def _write(path: Path, figures: dict[str, float]) -> None:
         tmp.replace(path)
     except OSError:
         pass  # a read-only or full cache: measured again next time, the load goes on
-
-
-def _available_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo (None where there is none)."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
