@@ -1,5 +1,5 @@
 """GGUF weights as stored (gguf_blocks, gguf_cpu.c) times fp32 rows ("f32" activations; the
-"q8" mode is tests/test_gguf_int.py's): the gguf package's values exactly, its matrix times x
+repacked "i8" mode is tests/test_gguf_repacked.py's): the gguf package's values exactly, its matrix times x
 up to summation order, the same bits for a row whatever the batch, thread count
 or build, a labelled fallback without the kernels, and a one-line refusal of other types."""
 
@@ -237,3 +237,11 @@ def test_the_fallback_keeps_its_weights_only_where_memory_allows(monkeypatch) ->
     roomy = _linear(Q.Q8_0)
     assert torch.equal(roomy(x), y) and roomy._dense is not None
     assert torch.equal(roomy(x), y)  # from the kept weights: the same numbers
+
+
+def test_rows_stay_fp32_unless_repacked_and_llama_cpps_q8_rounding_is_not_offered() -> None:
+    """The file's weights and no other rounding: llama.cpp's Q8 activations are not a mode here."""
+    blocks = _stored_blocks(Q.Q8_0, 37, 288)
+    assert GGUFLinear(Q.Q8_0, blocks, 288, 37).activations == F32
+    with pytest.raises(ValueError, match="activations must be 'f32' or 'i8', not 'q8'"):
+        GGUFLinear(Q.Q8_0, blocks, 288, 37, activations="q8")

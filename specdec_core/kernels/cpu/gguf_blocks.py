@@ -6,7 +6,7 @@ dequantized or re-quantized version) and computes
 
     y = x @ W.T (+ bias),   W = gguf.quants.dequantize(blocks, qtype), bit for bit,
 
-with x either quantized as llama.cpp quantizes it ("q8", below) or in fp32, unquantized ("f32").
+with x in fp32, unquantized ("f32"), or, for Q4_K and Q6_K, int8 per 32 inputs ("i8", below).
 `gguf_cpu.c` sums in an order fixed per (row, column) either way, so a row's result is bitwise
 the same whatever the number of rows in the call and the thread count: what speculative
 decoding's exactness needs.
@@ -20,11 +20,9 @@ weights are kept for the next call while they leave a quarter of the machine's m
 (`_room_for`); past that each call de-quantizes again (slow, the same numbers). `GGUFLinear.path`
 says which of the two runs, for the fidelity label (`FALLBACK_NOTE`).
 
-Activations (`GGUFLinear.activations`): with `"q8"`, the default wherever the kernels run a
-quantized type, each row of x is first quantized to the Q8 blocks llama.cpp pairs with the
-weights' type (Q8_K for the K-quants, Q8_0 or Q8_1 for the 32-weight types) and the blocks
-meet as integers: llama.cpp's own function, up to the order of the float sums, still batch-
-invariant. With `"f32"` x is not quantized at all (the float types always run so).
+Activations (`GGUFLinear.activations`): with `"f32"`, the default, x is not quantized at all:
+the answer carries the file's rounding and no other. (llama.cpp rounds x to Q8 blocks, one
+scale per 32 or 256 inputs; that adds a rounding the file does not hold, so it is not offered.)
 With `"i8"` (Q4_K and Q6_K only) the blocks are repacked once, as the linear is made, into the
 layout of our int4 kernel (int4_cpu.c, via gguf_cpu.c's gguf_repack): every q value, scale
 and fp16 d moved unchanged, and the kernel forms each scale as the dequantization does (d * sc,
@@ -76,22 +74,10 @@ FALLBACK = "fallback"  # gguf.quants de-quantizes the blocks, torch multiplies f
 FALLBACK_NOTE = "de-quantized into torch, fp32 activations"
 # The share of the machine's memory the fallback's kept de-quantized weights leave free.
 _KEEP_FREE = 0.25
-Q8 = "q8"  # rows quantized to llama.cpp's Q8 blocks, integer block products
 F32 = "f32"  # rows as they are, fp32
 I8 = "i8"  # rows quantized to int8 per 32 inputs, the blocks repacked for int4_cpu.c's kernel
 # The block types "i8" runs, and the q bits of each one's repacked layout.
 REPACKED_BITS = {GGMLQuantizationType.Q4_K: 4, GGMLQuantizationType.Q6_K: 6}
-# The Q8 blocks llama.cpp quantizes activations to for each weight type (its vec_dot_type).
-ACTIVATION_BLOCKS = {
-    GGMLQuantizationType.Q4_0: "Q8_0",
-    GGMLQuantizationType.Q5_0: "Q8_0",
-    GGMLQuantizationType.Q8_0: "Q8_0",
-    GGMLQuantizationType.Q4_1: "Q8_1",
-    GGMLQuantizationType.Q5_1: "Q8_1",
-    GGMLQuantizationType.Q4_K: "Q8_K",
-    GGMLQuantizationType.Q5_K: "Q8_K",
-    GGMLQuantizationType.Q6_K: "Q8_K",
-}
 
 
 class UnsupportedBlockType(ValueError):
@@ -142,8 +128,6 @@ def _typed(lib: ctypes.CDLL) -> ctypes.CDLL:
     pointer, size, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.gguf_linear.argtypes = [c_int, pointer, size, size, pointer, size, pointer, pointer, c_int]
     lib.gguf_linear.restype = c_int
-    lib.gguf_linear_q8.argtypes = [c_int, pointer, size, size, pointer, size, pointer, pointer, c_int]
-    lib.gguf_linear_q8.restype = c_int
     lib.gguf_dequantize.argtypes = [c_int, pointer, size, size, pointer, c_int]
     lib.gguf_dequantize.restype = c_int
     lib.gguf_block_bytes.argtypes = [c_int, ctypes.POINTER(ctypes.c_int64)]
@@ -189,8 +173,7 @@ class GGUFLinear(nn.Module):
         bias: torch.Tensor | None = None,
         activations: str | None = None,
     ) -> None:
-        """`activations`: "q8", "f32" or "i8" (see the module's docstring); None picks "q8"
-        where it runs (a quantized type, the kernels present), "f32" otherwise."""
+        """`activations`: "f32" or "i8" (see the module's docstring); None is "f32"."""
         super().__init__()
         self.qtype = block_type(qtype)
         self.in_features, self.out_features = in_features, out_features
@@ -237,16 +220,11 @@ class GGUFLinear(nn.Module):
         return super()._apply(fn, recurse)
 
     def _activations(self, asked: str | None) -> str:
-        """The activation mode this linear runs: `asked`, or the best one where None."""
-        runs_q8 = self.path == NATIVE and self.qtype in ACTIVATION_BLOCKS
+        """The activation mode this linear runs: `asked`, or fp32 rows where None."""
         if asked is None:
-            return Q8 if runs_q8 else F32
-        if asked not in (Q8, F32, I8):
-            raise ValueError(f"activations must be {Q8!r}, {F32!r} or {I8!r}, not {asked!r}")
-        if asked == Q8 and not runs_q8:
-            floats = self.qtype not in ACTIVATION_BLOCKS
-            why = f"{self.qtype.name} weights are floats" if floats else self.fallback_reason
-            raise ValueError(f"Q8 activations cannot run here: {why}")
+            return F32
+        if asked not in (F32, I8):
+            raise ValueError(f"activations must be {F32!r} or {I8!r}, not {asked!r}")
         if asked == I8 and (self.path != NATIVE or self.qtype not in REPACKED_BITS):
             why = (
                 f"only {', '.join(t.name for t in REPACKED_BITS)} repack"
@@ -259,8 +237,6 @@ class GGUFLinear(nn.Module):
     @property
     def fidelity(self) -> str:
         """What this linear computes, in words: the weights as stored, and the activations."""
-        if self.activations == Q8:
-            return f"as stored, activations {ACTIVATION_BLOCKS[self.qtype]} like llama.cpp"
         if self.activations == I8:
             return "as stored, activations int8 per 32 inputs (finer than llama.cpp's Q8_K)"
         return "as stored, fp32 activations"
@@ -274,20 +250,16 @@ class GGUFLinear(nn.Module):
         elif self.packed is not None:
             y = self._repacked(rows)
         else:
-            y = self._native(
-                rows, kernel().gguf_linear_q8 if self.activations == Q8 else kernel().gguf_linear
-            )
+            y = self._native(rows)
         return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
 
-    def _native(self, rows: torch.Tensor, linear: ctypes._NamedFuncPointer) -> torch.Tensor:
+    def _native(self, rows: torch.Tensor) -> torch.Tensor:
         y = torch.empty(rows.shape[0], self.out_features)
-        status = linear(
+        status = kernel().gguf_linear(
             int(self.qtype), self.blocks.ctypes.data, self.out_features, self.in_features, rows.data_ptr(),
             rows.shape[0], None if self.bias is None else self.bias.data_ptr(), y.data_ptr(),
             torch.get_num_threads(),
         )  # fmt: skip
-        if status == -3:
-            raise MemoryError(f"no memory to quantize {rows.shape[0]} rows of {self.in_features} inputs")
         if status != 0:
             raise ValueError(
                 f"gguf_cpu.c refused a {self.out_features}x{self.in_features} {self.qtype.name} linear"
