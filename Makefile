@@ -11,7 +11,8 @@ STAMP := $(VENV)/.installed
 # Left out there: the comparison of all builds (it builds them all itself) and the helper's
 # stress test (the same C in every build), which the main run keeps.
 KERNEL_TESTS := tests/test_native.py tests/test_int4_cpu.py tests/test_layers_cpu.py tests/test_helper_cpu.py \
-	tests/test_draft_bulk.py tests/test_gguf_blocks.py tests/test_gguf_int.py tests/test_gguf_repacked.py
+	tests/test_draft_bulk.py tests/test_gguf_blocks.py tests/test_gguf_repacked.py \
+	tests/test_gguf_native.py
 KERNEL_TESTS_ONCE := -k "not every_build_this_cpu_runs and not back_to_back_ops"
 
 .PHONY: run test test-isas test-parity lint venv bundle clean

@@ -6,11 +6,13 @@ from __future__ import annotations
 import copy
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from specdec_core.engine.fidelity import chunk_ids, measure
+from specdec_core.engine.fidelity import chunk_ids, document_ids, measure
+from specdec_core.models.gguf_to_hf import llama_adds_bos
 from specdec_core.tools import cli
 from specdec_core.tools.cli_eval import llama_cpp_fidelity, parse_llama_kl, parse_llama_perplexity
 
@@ -36,6 +38,33 @@ def test_chunks_are_whole_and_the_tail_is_left_out():
     assert chunk_ids(list(range(15)), 16) == []
 
 
+def test_each_chunk_starts_with_the_bos_in_place_of_its_first_token_as_llama_perplexity_puts_it():
+    ids = [7, *range(100, 139)]  # a document that starts with its BOS (7)
+    assert chunk_ids(ids, 16, bos=7) == [[7, *range(100, 115)], [7, *range(116, 131)]]
+
+
+def test_the_text_starts_with_a_bos_only_where_the_vocabulary_adds_one(tokenizer):
+    text = "hello world"
+    plain = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert document_ids(tokenizer, text, None) == plain
+    assert document_ids(tokenizer, text, 3) == [3, *plain]
+
+
+@pytest.mark.parametrize(
+    ("fields", "adds"),
+    [
+        ({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "qwen2"}, False),
+        ({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "llama-bpe"}, True),
+        ({"tokenizer.ggml.model": "llama"}, True),  # SPM: Llama 2, Gemma
+        ({"tokenizer.ggml.model": "llama", "tokenizer.ggml.add_bos_token": False}, False),
+        ({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "qwen2", "tokenizer.ggml.add_bos_token": True}, True),
+        ({"tokenizer.ggml.model": "gemma4", "tokenizer.ggml.add_bos_token": False}, True),  # llama.cpp overrides
+    ],
+)
+def test_a_gguf_adds_a_bos_where_llama_cpp_adds_one(fields, adds):
+    assert llama_adds_bos(SimpleNamespace(fields=fields)) is adds
+
+
 def test_a_model_against_itself_has_no_divergence(target, tokenizer):
     ids = ids_of(3 * CTX + 5, len(tokenizer))
     fidelity = measure(target, target, ids, ctx=CTX)
@@ -44,13 +73,15 @@ def test_a_model_against_itself_has_no_divergence(target, tokenizer):
     assert fidelity.perplexity == fidelity.reference_perplexity
 
 
-def test_perplexity_scores_the_second_half_of_each_chunk_from_an_empty_cache(target, tokenizer):
+@pytest.mark.parametrize("bos", [None, 1])
+def test_perplexity_scores_the_second_half_of_each_chunk_from_an_empty_cache(target, tokenizer, bos):
     other = perturbed(target, 0.3)
     ids = ids_of(2 * CTX, len(tokenizer), seed=2)
-    fidelity = measure(other, target, ids, ctx=CTX)
+    fidelity = measure(other, target, ids, ctx=CTX, bos=bos)
     nll, count = 0.0, 0
     for start in (0, CTX):
-        chunk = torch.tensor([ids[start : start + CTX]])
+        read = ids[start : start + CTX]
+        chunk = torch.tensor([read if bos is None else [bos, *read[1:]]])
         with torch.no_grad():
             logp = torch.log_softmax(other(input_ids=chunk).logits[0].float(), dim=-1)
         for j in range(CTX // 2, CTX - 1):
@@ -88,6 +119,29 @@ def test_eval_reports_each_precision_against_the_fp32_weights(capsys, tmp_path, 
     assert exact["chunks"] == 4 and abs(exact["kl_mean"]) < 1e-6 and abs(exact["perplexity_change"]) < 1e-5
     assert docs["int8"]["precision"] == "int8" and int8["kl_mean"] > 1e-4
     assert int8["reference_perplexity"] == exact["reference_perplexity"]
+
+
+@pytest.mark.parametrize("add_bos", [False, True])
+def test_eval_of_a_gguf_reads_each_chunk_after_a_bos_where_llama_cpp_would(tmp_path, monkeypatch, add_bos):
+    from test_gguf_convert import write_tiny_llama_gguf
+
+    from specdec_core.engine import fidelity
+
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))
+    gguf = write_tiny_llama_gguf(tmp_path / "tiny.gguf", add_bos=add_bos)
+    text = tmp_path / "text.txt"
+    text.write_text("hello world, speculative decoding " * 20, encoding="utf-8")
+    seen = {}
+
+    def measured(model, reference, ids, ctx, bos=None):
+        seen.update(ids=ids, bos=bos)
+        return measure(model, reference, ids, ctx=ctx, bos=bos)
+
+    monkeypatch.setattr(fidelity, "measure", measured)
+    argv = ["eval", "--target", str(gguf), "--precision", "gguf", "--text", str(text), "--ctx", str(CTX)]
+    assert cli.main([*argv, "--json"]) == 0
+    assert seen["bos"] == (0 if add_bos else None)
+    assert (seen["ids"][0] == 0) is add_bos  # id 0 is the BOS, never a token of this text
 
 
 def test_eval_of_an_unreadable_text_is_one_line(capsys, tmp_path, tiny_folder):

@@ -1,5 +1,5 @@
 """GGUF weights as stored (gguf_blocks, gguf_cpu.c) times fp32 rows ("f32" activations; the
-"q8" mode is tests/test_gguf_int.py's): the gguf package's values exactly, its matrix times x
+repacked "i8" mode is tests/test_gguf_repacked.py's): the gguf package's values exactly, its matrix times x
 up to summation order, the same bits for a row whatever the batch, thread count
 or build, a labelled fallback without the kernels, and a one-line refusal of other types."""
 
@@ -212,3 +212,36 @@ def test_a_tensor_read_from_a_gguf_file_runs_from_the_mapped_file_uncopied(tmp_p
     assert isinstance(linear.blocks.base, np.memmap) or isinstance(linear.blocks, np.memmap)
     assert np.shares_memory(linear.blocks, tensor.data)
     assert np.array_equal(linear.blocks.reshape(8, -1), blocks)
+
+
+@pytest.mark.parametrize("out_features", [37, 300])
+def test_without_the_kernels_a_rows_result_is_the_same_in_any_batch_and_at_any_thread_count(
+    monkeypatch, out_features
+) -> None:
+    """The fallback keeps exactness: torch's 1-row product (a gemv) sums differently at 1 and
+    2 threads for some shapes (300 x 32 here), so rows go through one fixed-rows matmul."""
+    monkeypatch.setattr(native, "unavailable", lambda: "no C compiler (cc, gcc)")
+    linear = GGUFLinear(Q.Q8_0, _stored_blocks(Q.Q8_0, out_features, 32), 32, out_features)
+    x = torch.randn(40, 32, generator=torch.Generator().manual_seed(6))
+    assert_rows_bitwise_the_same(linear, x)
+
+
+def test_the_fallback_keeps_its_weights_only_where_memory_allows(monkeypatch) -> None:
+    monkeypatch.setattr(native, "unavailable", lambda: "no C compiler (cc, gcc)")
+    x = torch.randn(5, 288, generator=torch.Generator().manual_seed(7))
+    monkeypatch.setattr(gguf_blocks, "_room_for", lambda nbytes: False)
+    tight = _linear(Q.Q8_0)
+    y = tight(x)
+    assert tight._dense is None  # de-quantized again at every call
+    monkeypatch.setattr(gguf_blocks, "_room_for", lambda nbytes: True)
+    roomy = _linear(Q.Q8_0)
+    assert torch.equal(roomy(x), y) and roomy._dense is not None
+    assert torch.equal(roomy(x), y)  # from the kept weights: the same numbers
+
+
+def test_rows_stay_fp32_unless_repacked_and_llama_cpps_q8_rounding_is_not_offered() -> None:
+    """The file's weights and no other rounding: llama.cpp's Q8 activations are not a mode here."""
+    blocks = _stored_blocks(Q.Q8_0, 37, 288)
+    assert GGUFLinear(Q.Q8_0, blocks, 288, 37).activations == F32
+    with pytest.raises(ValueError, match="activations must be 'f32' or 'i8', not 'q8'"):
+        GGUFLinear(Q.Q8_0, blocks, 288, 37, activations="q8")

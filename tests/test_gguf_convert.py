@@ -143,13 +143,16 @@ CHAT_TEMPLATE = (
 
 def write_tiny_llama_gguf(
     path: Path, context_length: int = 128, never_ends: bool = False, arch: str = "llama",
-    qtype: str = "Q8_0", hidden: int = HIDDEN, ffn: int = FFN, corpus: list[str] | None = None,
+    qtype: str = "Q8_0", hidden: int = HIDDEN, ffn: int = FFN, add_bos: bool = False,
+    corpus: list[str] | None = None,
 ) -> Path:  # fmt: skip
     """A 2-layer Llama with a byte-level BPE vocabulary, weights quantized to Q8_0.
 
     `arch="qwen2"`: the same shapes as a Qwen2, whose q/k/v projections carry biases.
     `qtype`: the block type of the projections ("Q4_K" etc. need `hidden` and `ffn` in
     multiples of 256); types the gguf package cannot quantize get random valid blocks.
+
+    `add_bos`: the header says the vocabulary puts a BOS (id 0) before a text, as a Llama's does.
 
     `never_ends`: the special tokens' (tied) embedding rows are zero, so their logit is 0
     and a greedy answer never picks one: it runs to its token limit (the served tests)."""
@@ -186,7 +189,7 @@ def write_tiny_llama_gguf(
     writer.add_token_merges(merges)
     writer.add_bos_token_id(0)
     writer.add_eos_token_id(2)
-    writer.add_add_bos_token(False)
+    writer.add_add_bos_token(add_bos)
     writer.add_chat_template(CHAT_TEMPLATE)
 
     rng = np.random.default_rng(0)

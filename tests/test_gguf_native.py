@@ -13,7 +13,7 @@ from test_gguf_convert import write_tiny_llama_gguf
 
 from specdec_core import ChatSession, GenerationParams, LoadSpec, Message
 from specdec_core.errors import ModelLoadError
-from specdec_core.kernels.cpu import native
+from specdec_core.kernels.cpu import gguf_blocks, native
 from specdec_core.kernels.cpu.gguf_blocks import F32, I8, GGUFLinear
 from specdec_core.kernels.cpu.int4_cpu import K4, K6, Int4Linear
 from specdec_core.models import gguf_convert, gguf_native
@@ -53,7 +53,9 @@ def test_the_header_reader_agrees_with_the_gguf_package(tiny_gguf):
 def test_as_stored_computes_what_the_files_weights_in_fp32_compute(tiny_gguf):
     stored = load_model(str(tiny_gguf), device="cpu", precision="gguf")
     converted = load_model(str(tiny_gguf), device="cpu", precision="fp32")
-    assert stored.precision == "gguf" and stored.fidelity == "as stored (GGUF)"  # the file names no mix
+    fallback = native.unavailable()  # without the kernels, torch multiplies: said in the label
+    notes = "" if fallback is None else f", 15 linears {gguf_blocks.FALLBACK_NOTE} ({fallback})"
+    assert stored.precision == "gguf" and stored.fidelity == "as stored (GGUF)" + notes  # the file names no mix
     linears = [m for m in stored.model.modules() if isinstance(m, GGUFLinear)]
     assert len(linears) == 2 * 7 + 1  # every projection and the head read the file's blocks
     ids = stored.tokenizer("def is_prime(n): return n > 1 and hello world")["input_ids"]
@@ -110,6 +112,7 @@ def test_an_architecture_without_a_mapping_is_refused_in_one_line(tiny_gguf, mon
 @needs_kernel  # without them no type is fast: the next test
 def test_auto_runs_a_gguf_as_stored_only_where_the_kernels_are_fast(tiny_gguf, monkeypatch):
     monkeypatch.setattr(gguf_native, "FAST_TYPES", frozenset({0, 8}))  # F32 and Q8_0
+    monkeypatch.setattr(native, "vector_build", lambda: True)  # the scalar build: the next test but one
     assert load_model(str(tiny_gguf), device="cpu", precision="auto").precision == "gguf"
     monkeypatch.setattr(gguf_native, "FAST_TYPES", frozenset({0}))
     slow = load_model(str(tiny_gguf), device="cpu", precision="auto")
@@ -122,7 +125,18 @@ def test_auto_leaves_a_fast_type_to_the_converted_path_where_the_kernels_do_not_
     file = read_gguf(tiny_gguf)
     assert not gguf_native.runs_fast(file)  # the fallback de-quantizes on every call: not fast
     monkeypatch.setattr(native, "unavailable", lambda: None)
+    monkeypatch.setattr(native, "isa", lambda: "avx2")
     assert gguf_native.runs_fast(file)
+
+
+@needs_kernel
+def test_auto_leaves_a_fast_type_to_int8_on_the_scalar_build(tiny_gguf, monkeypatch):
+    """README: the scalar build runs `auto` at int8; the repacked 4-bit kernel is not fast there."""
+    monkeypatch.setattr(gguf_native, "FAST_TYPES", frozenset({0, 8}))  # F32 and Q8_0
+    monkeypatch.setenv("SPECDEC_ISA", "scalar")
+    assert not gguf_native.runs_fast(read_gguf(tiny_gguf))
+    loaded = load_model(str(tiny_gguf), device="cpu", precision="auto")
+    assert loaded.precision == "int8" and loaded.fidelity.startswith("re-quantized: int8 from")
 
 
 @needs_kernel

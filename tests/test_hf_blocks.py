@@ -216,6 +216,23 @@ def test_the_label_carries_the_probes_kl_against_the_source(wide_folder):
 
 
 @needs_kernel
+@needs_kernel
+def test_a_source_too_big_for_memory_is_not_measured_and_the_label_says_so(wide_folder, monkeypatch):
+    """The probe loads the folder in fp32 (28 GB for a 7B): as requant_probe, only where it fits."""
+    from transformers import AutoModelForCausalLM
+
+    from specdec_core.models import hf_blocks
+    from specdec_core.models.loading import load_model
+
+    def no_reference(*args, **kwargs):
+        raise AssertionError("the fp32 source was loaded")
+
+    monkeypatch.setattr(hf_blocks, "available_bytes", lambda: 1024)
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", no_reference)
+    loaded = load_model(str(wide_folder), device="cpu", precision="q4_k_m")
+    assert loaded.fidelity.startswith("Q4_K_M from bf16 (KL not measured: the fp32 reference would not fit in memory)")
+
+
 def test_a_changed_source_gets_its_own_copy(tmp_path):
     from specdec_core.models.loading import load_model
 
@@ -319,6 +336,26 @@ def test_auto_keeps_todays_path_where_the_recipe_is_not_fast(tiny_folder):
         and loaded.fidelity.startswith("re-quantized: int4 from")
         and copies() == []
     )
+
+
+@needs_kernel
+def test_auto_keeps_a_folder_off_the_4_bit_blocks_on_the_scalar_build(wide_folder, monkeypatch):
+    """README: the scalar build runs `auto` at int8, where Q4_K_M's kernels are not fast."""
+    from specdec_core.models import hf_blocks
+    from specdec_core.models.loading import load_model
+
+    planned = hf_blocks.plan(load_config_of(wide_folder), hf_blocks.shapes_of(wide_folder), "q4_k_m")
+    assert hf_blocks.runs_fast(planned) == (native.isa() != "scalar")  # a vector build: fast
+    monkeypatch.setenv("SPECDEC_ISA", "scalar")
+    assert not hf_blocks.runs_fast(planned)
+    loaded = load_model(str(wide_folder), device="cpu", precision="auto")
+    assert loaded.precision == "int8" and copies() == []
+
+
+def load_config_of(folder: Path):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(folder)
 
 
 def test_an_unmapped_family_or_no_compiler_is_todays_path_at_auto_and_one_line_when_asked(

@@ -3,11 +3,14 @@ source's weights in fp32, and every load's label carries the figure."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 from test_gguf_convert import write_tiny_llama_gguf
 
 from specdec_core.kernels.cpu import native
-from specdec_core.models import requant_probe
+from specdec_core.models import hf_blocks, requant_probe
 from specdec_core.models.loading import load_model
 
 needs_kernel = pytest.mark.skipif(native.unavailable() is not None, reason=str(native.unavailable()))
@@ -48,7 +51,7 @@ def test_a_gguf_re_quantized_says_its_measured_kl(tmp_path):
 
 
 def test_a_reference_too_big_for_memory_is_not_measured_and_the_label_says_so(tiny_folder, monkeypatch):
-    monkeypatch.setattr(requant_probe, "_available_bytes", lambda: 1024)
+    monkeypatch.setattr(hf_blocks, "available_bytes", lambda: 1024)
     loaded = load_model(str(tiny_folder), device="cpu", precision="int8")
     assert loaded.fidelity.endswith("(KL not measured: the fp32 reference would not fit in memory)")
 
@@ -74,3 +77,34 @@ def test_the_cache_lists_and_clears_the_measured_probes(tiny_folder):
     assert len(probes) == 1 and probes[0].path.suffix == ".json"
     assert [item.path for item in clear_cache({"probe"})] == [probes[0].path]
     assert not probes[0].path.exists()
+
+
+def test_figures_measured_by_other_code_are_measured_again(tiny_folder, tmp_path):
+    first = load_model(str(tiny_folder), device="cpu", precision="int8")
+    (written,) = (tmp_path / "cache" / "probes").iterdir()
+    figures = json.loads(written.read_text())
+    assert figures["code"] == requant_probe.code_key()
+    written.write_text(json.dumps({**figures, "kl_mean": 9.0, "code": "an older kernel's"}))
+    again = load_model(str(tiny_folder), device="cpu", precision="int8")
+    assert again.fidelity == first.fidelity and "KL 9.0000" not in again.fidelity
+    assert json.loads(written.read_text())["code"] == requant_probe.code_key()
+
+
+def test_the_code_key_covers_every_kernel_and_the_measuring_code(monkeypatch):
+    files = set(requant_probe._code_files())
+    assert {*native.SOURCES, *native.HEADERS} <= files
+    package = Path(requant_probe.__file__).parent.parent
+    for name in ("kernels/cpu/gguf_blocks.py", "kernels/cpu/quant_cpu.py", "kernels/batch_invariant.py",
+                 "engine/fidelity.py", "models/hf_blocks.py"):  # fmt: skip
+        assert package / name in files, name
+    before = requant_probe.code_key()
+    changed = package / "kernels/cpu/gguf_cpu.c"
+    original = requant_probe._content
+    monkeypatch.setattr(requant_probe, "_content", lambda f: original(f) + (b" " if f == changed else b""))
+    requant_probe.code_key.cache_clear()
+    try:
+        assert requant_probe.code_key() != before
+    finally:
+        monkeypatch.undo()
+        requant_probe.code_key.cache_clear()
+    assert requant_probe.code_key() == before

@@ -4,7 +4,10 @@ Exactness makes the answer the loaded target's own; fidelity says how far that t
 from the weights the user meant (the file's, in fp32). Measured the way llama.cpp's
 `llama-perplexity` does, so the figures compare with its: the text is cut into chunks of
 `ctx` tokens, each read from an empty cache, and only the second half of each chunk is
-scored (every scored token then has at least ctx/2 tokens of context).
+scored (every scored token then has at least ctx/2 tokens of context). Where the vocabulary
+adds a BOS token (Llama, Gemma), the text's tokens start with it and each chunk's first
+token is replaced by it (`chunk_ids`), as llama-perplexity does: such a model is only ever
+read after a BOS, and without it the figures would not be the model's nor comparable.
 
 Per scored position: the model's and the reference's log-probabilities of the next
 token (perplexity), KL(reference || model) over the whole vocabulary, and whether both
@@ -53,18 +56,42 @@ class Fidelity:
         )
 
 
-def chunk_ids(ids: Sequence[int], ctx: int) -> list[list[int]]:
-    """Consecutive whole chunks of `ctx` tokens; a shorter tail is left out, as llama-perplexity does."""
+def document_ids(tokenizer: Any, text: str, bos: int | None) -> list[int]:
+    """A text's token ids as llama-perplexity reads them: no special token but a leading `bos`
+    (None where the vocabulary adds none)."""
+    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return ids if bos is None else [bos, *ids]
+
+
+def tokenizer_bos(tokenizer: Any) -> int | None:
+    """The BOS id a tokenizer puts before a text when asked for its special tokens, or None."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return None
+    plain = list(tokenizer("a", add_special_tokens=False)["input_ids"])
+    special = list(tokenizer("a", add_special_tokens=True)["input_ids"])
+    return bos if special[: len(plain) + 1] == [bos, *plain] else None
+
+
+def chunk_ids(ids: Sequence[int], ctx: int, bos: int | None = None) -> list[list[int]]:
+    """Consecutive whole chunks of `ctx` tokens (a shorter tail is left out), each with `bos` in
+    place of its first token where one is given: llama-perplexity's chunks."""
     if ctx < 4:
         raise ValueError(f"the context must be at least 4 tokens, not {ctx}")
-    return [list(ids[start : start + ctx]) for start in range(0, len(ids) - ctx + 1, ctx)]
+    chunks = [list(ids[start : start + ctx]) for start in range(0, len(ids) - ctx + 1, ctx)]
+    if bos is not None:
+        for chunk in chunks:
+            chunk[0] = bos
+    return chunks
 
 
 def measure(
-    model: torch.nn.Module, reference: torch.nn.Module, ids: Sequence[int], ctx: int = DEFAULT_CTX
-) -> Fidelity:
-    """`model` against `reference` on the token ids of a text (both with the same vocabulary)."""
-    chunks = chunk_ids(ids, ctx)
+    model: torch.nn.Module, reference: torch.nn.Module, ids: Sequence[int], ctx: int = DEFAULT_CTX,
+    bos: int | None = None,
+) -> Fidelity:  # fmt: skip
+    """`model` against `reference` on the token ids of a text (both with the same vocabulary);
+    `bos`: the vocabulary's BOS where it adds one (`chunk_ids`)."""
+    chunks = chunk_ids(ids, ctx, bos)
     if not chunks:
         raise ValueError(f"the text has {len(ids)} tokens: at least one chunk of {ctx} is needed")
     ours, theirs = CachedModel(model), CachedModel(reference)

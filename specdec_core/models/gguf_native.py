@@ -26,14 +26,15 @@ import torch
 from torch import nn
 
 from ..errors import ModelLoadError
+from ..kernels.cpu import native
 from ..kernels.cpu.gguf_blocks import F32 as F32_ROWS
 from ..kernels.cpu.gguf_blocks import (
     FALLBACK,
+    FALLBACK_NOTE,
     I8,
     GGUFLinear,
     UnsupportedBlockType,
     block_type,
-    kernels_run,
     repacks,
 )
 from ..kernels.cpu.int4_cpu import K_SCALES, Int4Linear
@@ -93,10 +94,11 @@ def refusal(file: GGUFFile) -> str | None:
 
 
 def runs_fast(file: GGUFFile) -> bool:
-    """Every tensor of a type in FAST_TYPES, and any quantized ones run by the kernels, not
-    by the fallback (which de-quantizes on every call)."""
+    """Every tensor of a type in FAST_TYPES, and any quantized ones run by a vector build of the
+    kernels: not by the fallback (torch's matmul over de-quantized weights), nor by the scalar build,
+    where `auto` takes int8 (README's precisions; loading.resolve_precision)."""
     quantized = {info.qtype for info in file.tensors.values()} - {F32}
-    return quantized <= FAST_TYPES and (not quantized or kernels_run())
+    return quantized <= FAST_TYPES and (not quantized or native.vector_build())
 
 
 def fidelity(file: GGUFFile, model: nn.Module) -> str:
@@ -111,7 +113,7 @@ def kernel_notes(model: nn.Module) -> str:
     repacked = any(isinstance(m, Int4Linear) and m.bits & K_SCALES for m in model.modules())
     notes = ", activations int8 per 32 inputs" if repacked or any(m.activations == I8 for m in linears) else ""
     fallbacks = [m for m in linears if m.path == FALLBACK]
-    return notes + (f", {len(fallbacks)} linears de-quantized per call ({fallbacks[0].fallback_reason})" if fallbacks else "")
+    return notes + (f", {len(fallbacks)} linears {FALLBACK_NOTE} ({fallbacks[0].fallback_reason})" if fallbacks else "")
 
 
 def type_counts(file: GGUFFile) -> dict[str, int]:

@@ -120,6 +120,30 @@ def config_from_header(file: GGUFFile) -> Any | None:
     return AutoConfig.for_model(arch, tie_word_embeddings=tied, **values)
 
 
+# llama.cpp's llama_vocab::load: the vocabularies that add a BOS where the header does not say
+# (tokenizer.ggml.add_bos_token): SPM and WPM ones, and BPE ones of these pre-tokenizers.
+_BOS_MODELS = frozenset({"llama", "bert"})
+_BOS_PRE = frozenset({
+    "llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
+    "jina-v5-nano", "tekken", "chameleon",
+})  # fmt: skip
+# ... and those that add one whatever the header says (llama.cpp overrides it).
+_ALWAYS_BOS_PRE = frozenset({"gemma4", "granite-embed-multi-311m"})
+
+
+def llama_adds_bos(file: GGUFFile) -> bool:
+    """Whether llama.cpp puts a BOS before a text it tokenizes with this file's vocabulary
+    (llama_vocab_get_add_bos): the header's add_bos_token, else the vocabulary's default."""
+    model = file.fields.get("tokenizer.ggml.model")
+    pre = "gemma4" if model == "gemma4" else file.fields.get("tokenizer.ggml.pre")
+    if pre in _ALWAYS_BOS_PRE:
+        return True
+    stated = file.fields.get("tokenizer.ggml.add_bos_token")
+    if isinstance(stated, bool):
+        return stated
+    return model in _BOS_MODELS or (model == "gpt2" and pre in _BOS_PRE)
+
+
 def _tokenizer_type(config: Any) -> dict[str, str]:
     """Where transformers registers a tokenizer for the family, naming it keeps AutoTokenizer
     from reading the whole file once more for a config it has already."""

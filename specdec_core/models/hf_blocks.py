@@ -42,12 +42,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
 from torch import nn
 
 from ..disk_cache import conversion_lock, converted_dir, file_sha256, sweep_stale_temporaries
-from ..engine.fidelity import Fidelity, measure
+from ..engine.fidelity import Fidelity, document_ids, measure, tokenizer_bos
 from ..errors import ModelLoadError
 from ..kernels.batch_invariant import plain_linears
 from ..kernels.cpu import native
@@ -68,6 +69,10 @@ PROBE_NAME = "probe.json"
 PROBE_TEXT = "fidelity_probe.txt"
 PROBE_CTX = 128
 PROBE_CHUNKS = 8  # at most: a tokenizer that splits the probe finely still measures in seconds
+# A probe loads the source's weights in fp32 beside the measured model: only where they take at
+# most this share of the memory available, else the label says the KL was not measured.
+REFERENCE_SHARE = 0.5
+NOT_MEASURED = "KL not measured: the fp32 reference would not fit in memory"
 _GLOBAL_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
@@ -89,18 +94,20 @@ class Planned:
 
 @dataclass(frozen=True)
 class Probe:
-    """The quantized model against the source in fp32 on the probe text (engine/fidelity.py)."""
+    """The quantized model against the source in fp32 on the probe text (engine/fidelity.py);
+    the figures None where the fp32 source would not fit in memory (`reference_fits`)."""
 
     mix: str  # "Q4_K_M"
     source_dtype: str  # "bf16"
-    kl_mean: float
-    kl_p99: float
-    top1_agreement: float
+    kl_mean: float | None
+    kl_p99: float | None
+    top1_agreement: float | None
     positions: int
     ctx: int
 
     def label(self) -> str:
-        return f"{self.mix} from {self.source_dtype} (KL {self.kl_mean:.4f} on the probe)"
+        measured = NOT_MEASURED if self.kl_mean is None else f"KL {self.kl_mean:.4f} on the probe"
+        return f"{self.mix} from {self.source_dtype} ({measured})"
 
 
 @dataclass(frozen=True)
@@ -149,8 +156,9 @@ def plan(config: Any, shapes: dict[str, tuple[int, ...]], mix: str) -> list[Plan
 
 
 def runs_fast(planned: Iterable[Planned]) -> bool:
-    """Every type one the kernels run at about int4's pace (gguf_native.FAST_TYPES), and the kernels built."""
-    return {int(p.qtype) for p in planned} <= gguf_native.FAST_TYPES and native.unavailable() is None
+    """Every type one the kernels run at about int4's pace (gguf_native.FAST_TYPES), in a vector
+    build of the kernels (the scalar one is slower than int8: README's precisions)."""
+    return {int(p.qtype) for p in planned} <= gguf_native.FAST_TYPES and native.vector_build()
 
 
 def refusal(folder: Path, config: Any) -> str | None:
@@ -328,26 +336,42 @@ def _gguf_name(source: str) -> str | None:
 
 
 def probe_ids(tokenizer: Any) -> list[int]:
-    """The probe text's token ids, at most PROBE_CHUNKS chunks of PROBE_CTX."""
+    """The probe text's token ids (after the tokenizer's BOS, where it adds one), at most
+    PROBE_CHUNKS chunks of PROBE_CTX."""
     text = resources.files("specdec_resources").joinpath(PROBE_TEXT).read_text(encoding="utf-8")
-    return list(tokenizer(text)["input_ids"])[: PROBE_CHUNKS * PROBE_CTX]
+    return document_ids(tokenizer, text, tokenizer_bos(tokenizer))[: PROBE_CHUNKS * PROBE_CTX]
 
 
 def measure_on_probe(model: nn.Module, reference: nn.Module, tokenizer: Any) -> Fidelity:
     """`model` against `reference` (the source's weights in fp32) on the probe text, in chunks of
-    PROBE_CTX tokens or the model's context if shorter; the reference runs whole matmuls."""
+    PROBE_CTX tokens or the model's context if shorter, each after the tokenizer's BOS where it
+    adds one (engine/fidelity.py); the reference runs whole matmuls."""
     plain_linears(reference)
     ids = probe_ids(tokenizer)
     limit = getattr(getattr(model, "config", None), "max_position_embeddings", None) or PROBE_CTX
     with torch.no_grad():
-        return measure(model, reference, ids, ctx=min(PROBE_CTX, limit, len(ids)))
+        return measure(model, reference, ids, ctx=min(PROBE_CTX, limit, len(ids)), bos=tokenizer_bos(tokenizer))
+
+
+def available_bytes() -> int:
+    """The memory the system can give this process without swapping."""
+    return int(psutil.virtual_memory().available)
+
+
+def reference_fits(parameters: int) -> bool:
+    """Whether a model of `parameters` weights in fp32 fits in REFERENCE_SHARE of the memory available."""
+    return parameters * 4 <= REFERENCE_SHARE * available_bytes()
 
 
 def measure_probe(folder: Path, config: Any, gguf_path: Path, mix: str) -> Probe:
-    """The GGUF's model (as a load runs it) against the folder's weights in fp32, on the probe."""
+    """The GGUF's model (as a load runs it) against the folder's weights in fp32, on the probe;
+    not measured where those would not fit in memory (`reference_fits`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dtype = source_dtype(config)  # before building: from_config sets the config's dtype
+    if not reference_fits(sum(int(np.prod(shape)) for shape in shapes_of(folder).values())):
+        return Probe(mix=MIXES[mix], source_dtype=dtype, kl_mean=None, kl_p99=None, top1_agreement=None,
+                     positions=0, ctx=0)  # fmt: skip
     quantized = gguf_native.build_model(read_gguf(gguf_path), config)
     source = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, use_kernels=False).eval()
     result = measure_on_probe(quantized, source, AutoTokenizer.from_pretrained(folder))

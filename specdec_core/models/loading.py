@@ -122,7 +122,7 @@ def resolve_precision(precision: str, device: str, parameters: int, *, offload: 
         # 4 bits read fewer bytes a step than int8 at the same perplexity
         # (docs/engine.md#the-cpu-4-bit-path-int4_cpupy-int4_cpuc).
         # The scalar build does its dot products a value at a time: there int8 is the fast one.
-        if native.unavailable() is None and native.isa() != "scalar":
+        if native.vector_build():
             return "int4"
         return "int8" if int8_available() else "bf16"
     half = "bf16" if torch.cuda.is_bf16_supported() else "fp16"

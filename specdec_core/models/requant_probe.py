@@ -8,16 +8,25 @@ model against the source's weights in fp32 on the probe text
 figures in the cache (`probes/<source key[:16]>-<precision>.json`). Every load's fidelity
 label then carries them: `re-quantized: int4 from Q4_K_M (KL 0.0330 on the probe)`.
 
+The figures are the code's as much as the source's: each file records `code_key()`, a hash of
+the sources that measure (the fidelity code, the probe text) and that compute (the kernels and
+their wrappers, torch's and transformers' versions), and one written by other code is measured
+again. A hash rather than a version number: no change can forget to bump it.
+
 The fp32 reference holds the model's weights in fp32 for the measurement: where that is
-more than half the memory available, nothing is measured and the label says so. A draft
+more than half the memory available, nothing is measured and the label says so (the guard
+hf_blocks' own probe keeps too: `hf_blocks.reference_fits`). A draft
 is never measured: its numbers never reach the answer.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import os
 from collections.abc import Callable
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +34,17 @@ from torch import nn
 
 from ..disk_cache import cache_dir
 from ..progress import Progress, ProgressCallback
-from .hf_blocks import measure_on_probe
+from .hf_blocks import NOT_MEASURED, PROBE_TEXT, measure_on_probe, reference_fits
 
 MEASURED = ("int4", "int8")  # the CPU precisions that round a source's weights again at load
+_PACKAGE = Path(__file__).resolve().parent.parent
+# The code a probe's figures depend on, below specdec_core/: what measures and what computes
+# (every kernel source and wrapper, and the preparation that picks them).
+MEASURING_CODE = (
+    "engine/fidelity.py", "models/hf_blocks.py", "models/requant_probe.py", "models/cpu_backend.py",
+    "models/gguf_native.py", "models/loading.py", "kernels",
+)  # fmt: skip
+_CODE_SUFFIXES = (".py", ".c", ".h")
 
 
 def applies(device: str, precision: str, label: str) -> bool:
@@ -35,7 +52,6 @@ def applies(device: str, precision: str, label: str) -> bool:
     if device == "cpu":
         return precision in MEASURED
     return device == "cuda" and label.startswith("re-quantized")
-_SHARE_OF_MEMORY = 0.5  # the fp32 reference may take at most this share of the memory available
 
 
 def probes_dir() -> Path:
@@ -54,9 +70,8 @@ def labelled(
     path = probe_path(source_key, precision)
     figures = _read(path)
     if figures is None:
-        available = _available_bytes()
-        if available is not None and parameters * 4 > _SHARE_OF_MEMORY * available:
-            return f"{label} (KL not measured: the fp32 reference would not fit in memory)"
+        if not reference_fits(parameters):
+            return f"{label} ({NOT_MEASURED})"
         if progress is not None:
             progress(Progress(f"Measuring {precision} against the source's weights (once)", 0, 0))
         figures = _measure(model, reference(), tokenizer)
@@ -64,23 +79,55 @@ def labelled(
     return f"{label} (KL {figures['kl_mean']:.4f} on the probe)"
 
 
-def _measure(model: nn.Module, reference: nn.Module, tokenizer: Any) -> dict[str, float]:
+@functools.cache
+def code_key() -> str:
+    """A hash of the code a probe's figures depend on (MEASURING_CODE, the probe text, torch's
+    and transformers' versions): cached figures with another key are measured again."""
+    import torch
+    import transformers
+
+    digest = hashlib.sha256(f"torch {torch.__version__} transformers {transformers.__version__}".encode())
+    for file in _code_files():
+        digest.update(file.relative_to(_PACKAGE).as_posix().encode() + b"\0" + _content(file))
+    digest.update(resources.files("specdec_resources").joinpath(PROBE_TEXT).read_bytes())
+    return digest.hexdigest()
+
+
+def _code_files() -> list[Path]:
+    files = []
+    for name in MEASURING_CODE:
+        path = _PACKAGE / name
+        found = path.rglob("*") if path.is_dir() else [path]
+        files += [f for f in found if f.suffix in _CODE_SUFFIXES and f.is_file()]
+    return sorted(files)
+
+
+def _content(file: Path) -> bytes:
+    try:
+        return file.read_bytes()
+    except OSError:  # a bundle without sources: its files change only with the bundle
+        return b""
+
+
+def _measure(model: nn.Module, reference: nn.Module, tokenizer: Any) -> dict[str, Any]:
     result = measure_on_probe(model, reference, tokenizer)
     return {
         "kl_mean": result.kl_mean, "kl_p99": result.kl_p99, "top1_agreement": result.top1_agreement,
-        "positions": result.scored,
+        "positions": result.scored, "code": code_key(),
     }  # fmt: skip
 
 
-def _read(path: Path) -> dict[str, float] | None:
+def _read(path: Path) -> dict[str, Any] | None:
+    """The figures at `path`, where they were measured by this code."""
     try:
         figures = json.loads(path.read_text(encoding="utf-8"))
-        return figures if isinstance(figures.get("kl_mean"), float) else None
+        usable = isinstance(figures.get("kl_mean"), float) and figures.get("code") == code_key()
+        return figures if usable else None
     except (OSError, ValueError, AttributeError):
         return None
 
 
-def _write(path: Path, figures: dict[str, float]) -> None:
+def _write(path: Path, figures: dict[str, Any]) -> None:
     """Written whole or not at all (a temporary file renamed): a killed process leaves no half file."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -89,14 +136,3 @@ def _write(path: Path, figures: dict[str, float]) -> None:
         tmp.replace(path)
     except OSError:
         pass  # a read-only or full cache: measured again next time, the load goes on
-
-
-def _available_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo (None where there is none)."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None

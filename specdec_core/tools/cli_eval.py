@@ -54,7 +54,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    from ..engine.fidelity import measure
+    from ..engine.fidelity import document_ids, measure
     from ..kernels.batch_invariant import plain_linears
     from ..models.loading import load_model
 
@@ -66,11 +66,12 @@ def run_eval(args: argparse.Namespace) -> int:
     reference = load_model(args.target, device=args.device, precision="fp32", progress=progress)
     plain_linears(reference.model)  # a reference is never verified against steps: whole matmuls
     progress.close()
-    ids = measured.tokenizer(text, add_special_tokens=False)["input_ids"]
+    bos = bos_of(args.target, measured.path, measured.tokenizer)
+    ids = document_ids(measured.tokenizer, text, bos)
     if args.chunks:
         ids = ids[: args.chunks * args.ctx]
     try:
-        fidelity = measure(measured.model, reference.model, ids, ctx=args.ctx)
+        fidelity = measure(measured.model, reference.model, ids, ctx=args.ctx, bos=bos)
     except ValueError as exc:
         raise InvalidInput(f"{args.text}: {exc}") from None
     doc: dict[str, Any] = {
@@ -99,14 +100,36 @@ def _read_text(path: Path) -> str:
         raise InvalidInput(f"cannot read {path}: {exc}") from None
 
 
+def bos_of(target: str, resolved: Path, tokenizer: Any) -> int | None:
+    """The BOS id each chunk starts with, or None where the vocabulary adds none: for a GGUF
+    as llama.cpp decides it from the header (llama-perplexity's BOS), else as the tokenizer does."""
+    from ..engine.fidelity import tokenizer_bos
+    from ..models.gguf_file import read_gguf
+    from ..models.gguf_to_hf import llama_adds_bos
+
+    gguf = _gguf_file(target, resolved)
+    if gguf is None:
+        return tokenizer_bos(tokenizer)
+    file = read_gguf(gguf)
+    if not llama_adds_bos(file):
+        return None
+    bos = file.fields.get("tokenizer.ggml.bos_token_id", tokenizer.bos_token_id)
+    return None if bos is None else int(bos)
+
+
 def _gguf_of(target: str, resolved: Path) -> Path:
+    gguf = _gguf_file(target, resolved)
+    if gguf is None:
+        raise InvalidParameter("--llama-perplexity needs a GGUF target (a .gguf file or a catalog GGUF)")
+    return gguf
+
+
+def _gguf_file(target: str, resolved: Path) -> Path | None:
+    """The GGUF a target is or was converted from, where there is one."""
     for candidate in (Path(target).expanduser(), resolved):
         if candidate.suffix == ".gguf" and candidate.is_file():
             return candidate
-    source = _converted_source(resolved)
-    if source is None:
-        raise InvalidParameter("--llama-perplexity needs a GGUF target (a .gguf file or a catalog GGUF)")
-    return source
+    return _converted_source(resolved)
 
 
 def _converted_source(folder: Path) -> Path | None:

@@ -6,21 +6,23 @@ dequantized or re-quantized version) and computes
 
     y = x @ W.T (+ bias),   W = gguf.quants.dequantize(blocks, qtype), bit for bit,
 
-with x either quantized as llama.cpp quantizes it ("q8", below) or in fp32, unquantized ("f32").
+with x in fp32, unquantized ("f32"), or, for Q4_K and Q6_K, int8 per 32 inputs ("i8", below).
 `gguf_cpu.c` sums in an order fixed per (row, column) either way, so a row's result is bitwise
 the same whatever the number of rows in the call and the thread count: what speculative
 decoding's exactness needs.
 
 Where the C kernels cannot run (no compiler: `native.unavailable()` says why), the linear
-dequantizes its weights with `gguf.quants` on every call and multiplies a row at a time in
-torch: slower, the same weights, its own (fixed-shape) summation order. `GGUFLinear.path` says
-which of the two runs, for the fidelity label.
+de-quantizes its weights with `gguf.quants` and multiplies fp32 rows in torch: slower, the same
+weights bit for bit, no rounding of the activations, and still batch-invariant: the rows go
+through the matmul in chunks of a fixed count (batch_invariant.in_fixed_rows), because torch's
+1-row product (a gemv) sums in an order that can change with the thread count. The de-quantized
+weights are kept for the next call while they leave a quarter of the machine's memory free
+(`_room_for`); past that each call de-quantizes again (slow, the same numbers). `GGUFLinear.path`
+says which of the two runs, for the fidelity label (`FALLBACK_NOTE`).
 
-Activations (`GGUFLinear.activations`): with `"q8"`, the default wherever the kernels run a
-quantized type, each row of x is first quantized to the Q8 blocks llama.cpp pairs with the
-weights' type (Q8_K for the K-quants, Q8_0 or Q8_1 for the 32-weight types) and the blocks
-meet as integers: llama.cpp's own function, up to the order of the float sums, still batch-
-invariant. With `"f32"` x is not quantized at all (the float types always run so).
+Activations (`GGUFLinear.activations`): with `"f32"`, the default, x is not quantized at all:
+the answer carries the file's rounding and no other. (llama.cpp rounds x to Q8 blocks, one
+scale per 32 or 256 inputs; that adds a rounding the file does not hold, so it is not offered.)
 With `"i8"` (Q4_K and Q6_K only) the blocks are repacked once, as the linear is made, into the
 layout of our int4 kernel (int4_cpu.c, via gguf_cpu.c's gguf_repack): every q value, scale
 and fp16 d moved unchanged, and the kernel forms each scale as the dequantization does (d * sc,
@@ -42,12 +44,14 @@ import weakref
 from typing import Any
 
 import numpy as np
+import psutil
 import torch
 import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
 from torch import nn
 
+from ..batch_invariant import in_fixed_rows
 from . import native
 from .int4_cpu import K_SCALES, LANES, Int4Linear
 
@@ -65,23 +69,15 @@ SUPPORTED = (
     GGMLQuantizationType.Q6_K,
 )
 NATIVE = "native"  # gguf_cpu.c, the blocks decoded in registers
-FALLBACK = "fallback"  # gguf.quants dequantizes the blocks on every call, torch multiplies
-Q8 = "q8"  # rows quantized to llama.cpp's Q8 blocks, integer block products
+FALLBACK = "fallback"  # gguf.quants de-quantizes the blocks, torch multiplies fixed-rows chunks
+# What the fallback computes, for the fidelity label: the file's weights, unrounded rows, exact.
+FALLBACK_NOTE = "de-quantized into torch, fp32 activations"
+# The share of the machine's memory the fallback's kept de-quantized weights leave free.
+_KEEP_FREE = 0.25
 F32 = "f32"  # rows as they are, fp32
 I8 = "i8"  # rows quantized to int8 per 32 inputs, the blocks repacked for int4_cpu.c's kernel
 # The block types "i8" runs, and the q bits of each one's repacked layout.
 REPACKED_BITS = {GGMLQuantizationType.Q4_K: 4, GGMLQuantizationType.Q6_K: 6}
-# The Q8 blocks llama.cpp quantizes activations to for each weight type (its vec_dot_type).
-ACTIVATION_BLOCKS = {
-    GGMLQuantizationType.Q4_0: "Q8_0",
-    GGMLQuantizationType.Q5_0: "Q8_0",
-    GGMLQuantizationType.Q8_0: "Q8_0",
-    GGMLQuantizationType.Q4_1: "Q8_1",
-    GGMLQuantizationType.Q5_1: "Q8_1",
-    GGMLQuantizationType.Q4_K: "Q8_K",
-    GGMLQuantizationType.Q5_K: "Q8_K",
-    GGMLQuantizationType.Q6_K: "Q8_K",
-}
 
 
 class UnsupportedBlockType(ValueError):
@@ -132,8 +128,6 @@ def _typed(lib: ctypes.CDLL) -> ctypes.CDLL:
     pointer, size, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.gguf_linear.argtypes = [c_int, pointer, size, size, pointer, size, pointer, pointer, c_int]
     lib.gguf_linear.restype = c_int
-    lib.gguf_linear_q8.argtypes = [c_int, pointer, size, size, pointer, size, pointer, pointer, c_int]
-    lib.gguf_linear_q8.restype = c_int
     lib.gguf_dequantize.argtypes = [c_int, pointer, size, size, pointer, c_int]
     lib.gguf_dequantize.restype = c_int
     lib.gguf_block_bytes.argtypes = [c_int, ctypes.POINTER(ctypes.c_int64)]
@@ -179,8 +173,7 @@ class GGUFLinear(nn.Module):
         bias: torch.Tensor | None = None,
         activations: str | None = None,
     ) -> None:
-        """`activations`: "q8", "f32" or "i8" (see the module's docstring); None picks "q8"
-        where it runs (a quantized type, the kernels present), "f32" otherwise."""
+        """`activations`: "f32" or "i8" (see the module's docstring); None is "f32"."""
         super().__init__()
         self.qtype = block_type(qtype)
         self.in_features, self.out_features = in_features, out_features
@@ -198,6 +191,7 @@ class GGUFLinear(nn.Module):
         self.path = NATIVE if self.fallback_reason is None else FALLBACK
         self.activations = self._activations(activations)
         self.packed: np.ndarray | None = self._repack() if self.activations == I8 else None
+        self._dense: torch.Tensor | None = None  # the fallback's de-quantized weights, where kept
 
     def _repack(self) -> np.ndarray:
         """The blocks in int4_cpu.c's layout for this type (a copy in memory; the same values)."""
@@ -226,16 +220,11 @@ class GGUFLinear(nn.Module):
         return super()._apply(fn, recurse)
 
     def _activations(self, asked: str | None) -> str:
-        """The activation mode this linear runs: `asked`, or the best one where None."""
-        runs_q8 = self.path == NATIVE and self.qtype in ACTIVATION_BLOCKS
+        """The activation mode this linear runs: `asked`, or fp32 rows where None."""
         if asked is None:
-            return Q8 if runs_q8 else F32
-        if asked not in (Q8, F32, I8):
-            raise ValueError(f"activations must be {Q8!r}, {F32!r} or {I8!r}, not {asked!r}")
-        if asked == Q8 and not runs_q8:
-            floats = self.qtype not in ACTIVATION_BLOCKS
-            why = f"{self.qtype.name} weights are floats" if floats else self.fallback_reason
-            raise ValueError(f"Q8 activations cannot run here: {why}")
+            return F32
+        if asked not in (F32, I8):
+            raise ValueError(f"activations must be {F32!r} or {I8!r}, not {asked!r}")
         if asked == I8 and (self.path != NATIVE or self.qtype not in REPACKED_BITS):
             why = (
                 f"only {', '.join(t.name for t in REPACKED_BITS)} repack"
@@ -248,8 +237,6 @@ class GGUFLinear(nn.Module):
     @property
     def fidelity(self) -> str:
         """What this linear computes, in words: the weights as stored, and the activations."""
-        if self.activations == Q8:
-            return f"as stored, activations {ACTIVATION_BLOCKS[self.qtype]} like llama.cpp"
         if self.activations == I8:
             return "as stored, activations int8 per 32 inputs (finer than llama.cpp's Q8_K)"
         return "as stored, fp32 activations"
@@ -263,20 +250,16 @@ class GGUFLinear(nn.Module):
         elif self.packed is not None:
             y = self._repacked(rows)
         else:
-            y = self._native(
-                rows, kernel().gguf_linear_q8 if self.activations == Q8 else kernel().gguf_linear
-            )
+            y = self._native(rows)
         return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
 
-    def _native(self, rows: torch.Tensor, linear: ctypes._NamedFuncPointer) -> torch.Tensor:
+    def _native(self, rows: torch.Tensor) -> torch.Tensor:
         y = torch.empty(rows.shape[0], self.out_features)
-        status = linear(
+        status = kernel().gguf_linear(
             int(self.qtype), self.blocks.ctypes.data, self.out_features, self.in_features, rows.data_ptr(),
             rows.shape[0], None if self.bias is None else self.bias.data_ptr(), y.data_ptr(),
             torch.get_num_threads(),
         )  # fmt: skip
-        if status == -3:
-            raise MemoryError(f"no memory to quantize {rows.shape[0]} rows of {self.in_features} inputs")
         if status != 0:
             raise ValueError(
                 f"gguf_cpu.c refused a {self.out_features}x{self.in_features} {self.qtype.name} linear"
@@ -296,9 +279,17 @@ class GGUFLinear(nn.Module):
         return y
 
     def _fallback(self, rows: torch.Tensor) -> torch.Tensor:
-        """A row at a time, so torch's matmul sees one shape whatever the batch."""
+        """Chunks of a fixed row count, so torch's matmul sees one shape whatever the batch
+        and sums a row in the same order at any thread count."""
+        weight = self._dense if self._dense is not None else self._fallback_weight()
+        return in_fixed_rows(lambda chunk: F.linear(chunk, weight, self.bias), rows, self.out_features)
+
+    def _fallback_weight(self) -> torch.Tensor:
+        """The de-quantized weights, kept for the next call where memory allows."""
         weight = self.dense_weight()
-        return torch.cat([F.linear(row, weight, self.bias) for row in rows.split(1)])
+        if _room_for(weight.nbytes):
+            self._dense = weight
+        return weight
 
     def dense_weight(self) -> torch.Tensor:
         """The weights as floats [out, in]: exactly the values either path multiplies by."""
@@ -333,3 +324,9 @@ class GGUFLinear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, qtype={self.qtype.name}, "
             f"path={self.path}, activations={self.activations}"
         )
+
+
+def _room_for(nbytes: int) -> bool:
+    """Whether `nbytes` more in memory still leave _KEEP_FREE of the machine's memory available."""
+    memory = psutil.virtual_memory()
+    return memory.available - nbytes >= _KEEP_FREE * memory.total

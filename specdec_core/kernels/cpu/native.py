@@ -182,6 +182,13 @@ def _open(isa_flags: tuple[str, ...]) -> ctypes.CDLL:
         raise KernelUnavailable(f"the compiled CPU kernels do not load ({exc}); {_INT4_ADVICE}") from exc
 
 
+def vector_build() -> bool:
+    """Whether the kernels run here in a vector build (AVX2 or AVX-512), not the scalar one.
+    The scalar build computes the same numbers a value at a time: there the 4-bit paths are
+    slower than torch's int8, so `auto` picks them only where this holds (README, precision)."""
+    return unavailable() is None and isa() not in (None, "scalar")
+
+
 def isa() -> str | None:
     """The build of the kernels this process takes ("avx512-vnni", "avx2", "scalar"), or None
     when SPECDEC_ISA asks for one this CPU cannot run."""
