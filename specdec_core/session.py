@@ -188,7 +188,7 @@ class ChatSession:
         with _one_line_errors("starting llama.cpp's server"):
             url = server.start(cancel=cancel)
         try:
-            self._connect(dataclasses.replace(spec, target=url, local_server=""))
+            self._connect(dataclasses.replace(spec, target=url, local_server=""), key=server.api_key)
         except BaseException:
             server.stop()
             raise
@@ -199,11 +199,11 @@ class ChatSession:
         self.info = self._describe_served()
         return self.info
 
-    def _connect(self, spec: LoadSpec) -> SessionInfo:
+    def _connect(self, spec: LoadSpec, key: str | None = None) -> SessionInfo:
         """A served engine: ask the server what it is; nothing is loaded here."""
         self.release()
         with _one_line_errors("connecting to the server"):
-            backend = ServedBackend.connect(spec.target, spec.served_model)
+            backend = ServedBackend.connect(spec.target, spec.served_model, key=key)
         self._served, self._spec = backend, spec
         self.info = self._describe_served()
         return self.info
