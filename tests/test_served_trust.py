@@ -192,6 +192,23 @@ def test_the_local_server_refuses_a_request_without_its_own_fresh_key(model, tmp
         session.release()
 
 
+def test_a_local_server_that_died_is_sent_nothing_more_even_with_its_port_taken(model, tmp_path, no_user_key):
+    session = ChatSession()
+    session.load(LoadSpec(target=str(model), local_server=_binary(tmp_path)))
+    server = session._local_server
+    assert server is not None and server.process is not None
+    server.process.kill()
+    server.process.wait()
+    impostor = _Impostor(server.port, share=False)  # another program takes the freed port
+    try:
+        with pytest.raises(ServerError, match=r"^llama-server was killed by SIGKILL"):
+            list(session.answer(HELLO, params=GenerationParams(max_new_tokens=4)))
+    finally:
+        impostor.close()
+        session.release()
+    assert impostor.seen == []
+
+
 # -- the user's key: only to the host it is for -----------------------------------------------------
 def test_the_environment_key_goes_to_this_machine_only_unless_a_host_is_named(monkeypatch, no_user_key):
     monkeypatch.setenv("SPECDEC_API_KEY", "sesame")

@@ -106,6 +106,13 @@ class LocalLlamaServer:
             raise
         return self.url
 
+    def check_running(self) -> None:
+        """Raise `ServerError` once the server has ended: its port is then anyone's to take,
+        so nothing more (no prompt, no key) may be sent there."""
+        if self.process is None:
+            raise ServerError(f"{Path(self.binary).name} was stopped: load the model again to restart it")
+        loopback.check_running(self.process, Path(self.binary).name, self._last_error)
+
     def _check_key_required(self) -> None:
         """A server that answers without its key would serve any local program: refuse it."""
         try:
