@@ -180,7 +180,9 @@ def _listeners(port: int) -> list[int | None] | None:
 
 def _listens(pid: int, port: int) -> bool:
     try:
-        sockets = psutil.Process(pid).net_connections(kind="tcp")
+        process = psutil.Process(pid)
+        listing = getattr(process, "net_connections", None) or process.connections  # psutil < 6
+        sockets = listing(kind="tcp")
     except psutil.Error:
         return False
     return any(s.status == psutil.CONN_LISTEN and s.laddr and s.laddr.port == port for s in sockets)
