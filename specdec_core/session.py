@@ -188,7 +188,7 @@ class ChatSession:
         with _one_line_errors("starting llama.cpp's server"):
             url = server.start(cancel=cancel)
         try:
-            self._connect(dataclasses.replace(spec, target=url, local_server=""))
+            self._connect(dataclasses.replace(spec, target=url, local_server=""), key=server.api_key)
         except BaseException:
             server.stop()
             raise
@@ -199,11 +199,11 @@ class ChatSession:
         self.info = self._describe_served()
         return self.info
 
-    def _connect(self, spec: LoadSpec) -> SessionInfo:
+    def _connect(self, spec: LoadSpec, key: str | None = None) -> SessionInfo:
         """A served engine: ask the server what it is; nothing is loaded here."""
         self.release()
         with _one_line_errors("connecting to the server"):
-            backend = ServedBackend.connect(spec.target, spec.served_model)
+            backend = ServedBackend.connect(spec.target, spec.served_model, key=key)
         self._served, self._spec = backend, spec
         self.info = self._describe_served()
         return self.info
@@ -277,6 +277,7 @@ class ChatSession:
         A served engine: time the same server with speculation off, where it allows it."""
         if self._served is not None:
             with _one_line_errors("timing the server"):
+                self._check_local_server()
                 self._served.calibrate(GenerationParams())
             self.info = self._describe_served()
             return
@@ -309,6 +310,7 @@ class ChatSession:
         check_params(params)
         if self._served is not None:
             with _one_line_errors("asking the server"):
+                self._check_local_server()
                 return self._served_events(
                     self._served.answer(messages, system, params, cancel, speculation=self._speculation)
                 )
@@ -326,9 +328,11 @@ class ChatSession:
         if not text:
             raise InvalidInput("the prompt is empty: a raw prompt needs at least one token")
         if self._served is not None:
-            return self._served_events(
-                self._served.complete(text, params, cancel, speculation=self._speculation)
-            )
+            with _one_line_errors("asking the server"):
+                self._check_local_server()
+                return self._served_events(
+                    self._served.complete(text, params, cancel, speculation=self._speculation)
+                )
         pair = self._require()
         with _one_line_errors("tokenizing the prompt"):
             prompt = encode_text(pair.target.tokenizer, text)
@@ -356,6 +360,11 @@ class ChatSession:
                 if isinstance(event, DoneEvent):
                     event = self._finished(event, capped)
                 yield event
+
+    def _check_local_server(self) -> None:
+        """A server started here that has ended leaves its port to any program: ask it nothing."""
+        if self._local_server is not None:
+            self._local_server.check_running()
 
     def _served_events(self, events: Iterator[Event]) -> Iterator[Event]:
         with _one_line_errors("streaming from the server"):

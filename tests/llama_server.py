@@ -4,12 +4,13 @@
 The served-engine tests (and `specdec`'s local-server path, given this file as the binary)
 run it as a real HTTP server on 127.0.0.1: `xllamacpp.Server` is llama.cpp's own server
 code, listening on the port it is given. Flags: -m, -md, --host, --port, -c, --api-key,
---draft-max, -t.
+--draft-max, -t; the API key may come from $LLAMA_API_KEY, as llama-server reads it.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -22,7 +23,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8080)
     parser.add_argument("-c", "--ctx-size", type=int, default=0)
-    parser.add_argument("--api-key", default="")
+    parser.add_argument("--api-key", default=os.environ.get("LLAMA_API_KEY", ""))
     parser.add_argument("--draft-max", type=int, default=4)
     parser.add_argument("-t", "--threads", type=int, default=1)
     return parser.parse_args(argv)

@@ -5,5 +5,6 @@ in-process engine yields (`events.py`).
 - `client`: HTTP and server-sent events to the one address the user gave;
 - `engines`: which server it is, and the speculation counts each one reports;
 - `backend`: the session side, a stream turned into events and stats;
-- `local_server`: llama.cpp's server started on 127.0.0.1 with a draft, and stopped.
+- `local_server`: llama.cpp's server started on 127.0.0.1 with a draft and its own key, and stopped;
+- `loopback`: a server process started here, reached directly and proved to hold its port.
 """

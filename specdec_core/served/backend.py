@@ -29,7 +29,7 @@ from ..engine.events import DoneEvent, Event, PrefillEvent, Source, StepEvent, T
 from ..engine.stats import GenerationStats
 from ..errors import ServerError
 from . import engines
-from .client import ServerAddress, ServerClient, api_key
+from .client import KeyChoice, ServerAddress, ServerClient, api_key
 from .engines import DraftCounts
 
 if TYPE_CHECKING:
@@ -116,9 +116,14 @@ class ServedBackend:
 
     # -- connecting --------------------------------------------------------------------------
     @classmethod
-    def connect(cls, url: str, model: str = "", *, read_timeout: float | None = None) -> ServedBackend:
+    def connect(
+        cls, url: str, model: str = "", *, read_timeout: float | None = None, key: str | None = None
+    ) -> ServedBackend:
+        """Ask the server at `url` what it is; `key`: its own (a server started here), else
+        the user's key for that host (`client.api_key`), whose notices lead `info.notes`."""
         address = ServerAddress.parse(url)
-        client = ServerClient(address, key=api_key(address))
+        choice = KeyChoice(key) if key else api_key(address)
+        client = ServerClient(address, key=choice.key, key_notices=choice.notices)
         if read_timeout is not None:
             client.read_timeout = read_timeout
         models = client.get_json(f"{address.api_prefix}/models")
@@ -130,7 +135,8 @@ class ServedBackend:
         chosen = model or (names[0] if names else "")
         props = _optional_json(client, "/props") if kind == engines.LLAMA_CPP else None
         server_info = _optional_json(client, "/server_info") if kind == engines.VLLM else None
-        return cls(client, _describe(address, kind, chosen, models, props, server_info))
+        info = _describe(address, kind, chosen, models, props, server_info)
+        return cls(client, dataclasses.replace(info, notes=(*choice.notices, *info.notes)))
 
     # -- answering ---------------------------------------------------------------------------
     def answer(

@@ -4,9 +4,12 @@ Rules it keeps:
 - only the scheme, host and port of the URL the user gave are contacted: no redirect is
   followed and no other address is derived, so nothing beyond 127.0.0.1 is reached
   unless the user typed that address;
-- the API key comes from `SPECDEC_API_KEY` or, when the `keyring` package is installed,
-  the system keyring (service "specdec", user: the server's root URL). It is sent only
-  in the Authorization header and never written anywhere;
+- the API key comes from `SPECDEC_API_KEY` for the host `SPECDEC_API_HOST` names (without
+  it, for 127.0.0.1 and localhost only), else from the system keyring when the `keyring`
+  package is installed (service "specdec", user: the server's root URL, so a stored key
+  is bound to its server). It is sent only in the Authorization header and never written
+  anywhere. A key withheld, a key sent to another machine over plain http and a keyring
+  that fails are each said in one line (`KeyChoice.notices`), never taken for "no key";
 - every failure is one `ServerError` line that names the server and what to do.
 """
 
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import http.client
+import ipaddress
 import json
 import os
 import socket
@@ -27,6 +31,7 @@ from urllib.parse import urlsplit
 from ..errors import ServerError
 
 API_KEY_ENV = "SPECDEC_API_KEY"
+API_HOST_ENV = "SPECDEC_API_HOST"
 KEYRING_SERVICE = "specdec"
 CONNECT_TIMEOUT_S = 10.0
 READ_TIMEOUT_S = 120.0  # a server may read a long prompt for minutes before its first token
@@ -61,28 +66,108 @@ class ServerAddress:
         return cls(parts.scheme, parts.hostname, port, prefix or "/v1")
 
     @property
-    def root(self) -> str:
+    def netloc(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{self.scheme}://{host}:{self.port}"
+        return f"{host}:{self.port}"
+
+    @property
+    def root(self) -> str:
+        return f"{self.scheme}://{self.netloc}"
+
+    @property
+    def is_loopback(self) -> bool:
+        """127.0.0.0/8, ::1 or localhost: this machine, which nobody on the network sees."""
+        if self.host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(self.host).is_loopback
+        except ValueError:
+            return False
 
     def __str__(self) -> str:
         return f"{self.root}{self.api_prefix}"
 
 
-def api_key(address: ServerAddress) -> str | None:
-    """The key for `address`: the environment variable, else the keyring (never a file of ours)."""
+@dataclass(frozen=True)
+class KeyChoice:
+    """The key to send to one server (None: none) and what the user should know about it."""
+
+    key: str | None
+    notices: tuple[str, ...] = ()
+
+
+def api_key(address: ServerAddress) -> KeyChoice:
+    """The key for `address`: $SPECDEC_API_KEY where it is meant for that host, else the keyring.
+
+    $SPECDEC_API_KEY goes to the host (and port, when given) in $SPECDEC_API_HOST only;
+    without that variable, to a server on this machine only. A keyring key is stored
+    under its server's root URL, so it goes to that server alone."""
+    notices: list[str] = []
     key = os.environ.get(API_KEY_ENV, "").strip()
     if key:
-        return key
+        withheld = _withheld(address)
+        if not withheld:
+            return KeyChoice(key, _plain_http(address))
+        notices.append(withheld)
+    stored, failure = _keyring_key(address)
+    if failure:
+        notices.append(failure)
+    if stored:
+        return KeyChoice(stored, (*notices, *_plain_http(address)))
+    return KeyChoice(None, tuple(notices))
+
+
+def _withheld(address: ServerAddress) -> str:
+    """Why $SPECDEC_API_KEY is not for `address` ("" when it is)."""
+    allowed = os.environ.get(API_HOST_ENV, "").strip()
+    if not allowed:
+        if address.is_loopback:
+            return ""
+        return (
+            f"{API_KEY_ENV} was not sent to {address.netloc}: it goes to a server on this machine "
+            f"unless {API_HOST_ENV} names its host (set {API_HOST_ENV}={address.netloc} to send it there)"
+        )
+    host, port = _api_host(allowed)
+    if host == address.host and port in (None, address.port):
+        return ""
+    return f"{API_KEY_ENV} was not sent to {address.netloc}: it goes only to {allowed} ({API_HOST_ENV})"
+
+
+def _api_host(text: str) -> tuple[str, int | None]:
+    """$SPECDEC_API_HOST as (host, port or None for any port): host[:port], [v6]:port or a URL."""
+    parts = urlsplit(text if "://" in text else f"//{text}")
+    try:
+        port = parts.port
+    except ValueError:
+        port = -1
+    if not parts.hostname or port == -1 or parts.path.strip("/") or parts.username:
+        raise ServerError(f"{API_HOST_ENV}={text!r} is not a host: use HOST or HOST:PORT, e.g. gpu-box:8000")
+    return parts.hostname, port
+
+
+def _plain_http(address: ServerAddress) -> tuple[str, ...]:
+    if address.scheme == "https" or address.is_loopback:
+        return ()
+    return (
+        f"the API key goes to {address.netloc} over plain http, readable by anyone on the way: "
+        "serve it over https",
+    )
+
+
+def _keyring_key(address: ServerAddress) -> tuple[str | None, str]:
+    """(the keyring's key for `address`, "" or the keyring's failure in one line)."""
     try:
         import keyring  # optional: the system's own secret store
     except ImportError:
-        return None
+        return None, ""
     try:
         stored = keyring.get_password(KEYRING_SERVICE, address.root)
-    except Exception:  # a keyring without a backend: no key, as without the package
-        return None
-    return stored or None
+    except Exception as exc:  # any backend's failure, said as itself
+        # A keyring with no backend at all holds no key, as without the package.
+        if isinstance(exc, getattr(getattr(keyring, "errors", None), "NoKeyringError", ())):
+            return None, ""
+        return None, f"the system keyring could not be read for {address.root}: {_reason(exc)}"
+    return stored or None, ""
 
 
 class ServerClient:
@@ -93,11 +178,13 @@ class ServerClient:
         address: ServerAddress,
         *,
         key: str | None = None,
+        key_notices: tuple[str, ...] = (),
         connect_timeout: float = CONNECT_TIMEOUT_S,
         read_timeout: float = READ_TIMEOUT_S,
     ) -> None:
         self.address = address
         self._key = key
+        self._key_notices = key_notices  # why no key was sent, for a server that wants one
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
 
@@ -237,11 +324,12 @@ class ServerClient:
         where = self.address
         said = f": {detail}" if detail else ""
         if status in (401, 403):
-            hint = (
-                f"the key in {API_KEY_ENV} (or the keyring) was refused"
-                if self._key
-                else f"it wants an API key: set {API_KEY_ENV}"
-            )
+            if self._key:
+                hint = f"the key in {API_KEY_ENV} (or the keyring) was refused"
+            elif self._key_notices:
+                hint = f"it wants an API key, and {'; '.join(self._key_notices)}"
+            else:
+                hint = f"it wants an API key: set {API_KEY_ENV} (see docs/serving.md)"
             return ServerError(f"the server at {where} refused the request (HTTP {status}): {hint}")
         if status == 404:
             return ServerError(f"the server at {where} has no {path} (HTTP 404{said})")

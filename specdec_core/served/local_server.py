@@ -6,26 +6,32 @@
     server.stop()                 # also at interpreter exit, should the caller forget
 
 The binary is llama.cpp's `llama-server` (or anything with its flags: -m, -md, --host,
---port): the caller's setting, else `SPECDEC_LLAMA_SERVER`. It listens on 127.0.0.1 only.
+--port, and its API key from `LLAMA_API_KEY`): the caller's setting, else
+`SPECDEC_LLAMA_SERVER`. It listens on 127.0.0.1 only, and `start` proves that the process
+it started is the one answering there (`loopback`). Each start gets a fresh random API key
+(`api_key`, for the client): the server refuses every request without it but its health
+check, so another local program cannot use it. The key goes in the child's environment,
+not its command line, which any user of the machine may read.
 """
 
 from __future__ import annotations
 
 import atexit
+import http.client
 import os
+import secrets
 import shutil
-import socket
 import subprocess
 import tempfile
 import threading
-import time
-import urllib.request
 from pathlib import Path
 from typing import IO
 
-from ..errors import Cancelled, ServerError
+from ..errors import ServerError
+from . import loopback
 
 BINARY_ENV = "SPECDEC_LLAMA_SERVER"
+KEY_ENV = "LLAMA_API_KEY"  # llama-server's --api-key, read from its environment
 START_TIMEOUT_S = 120.0  # a large model takes a while to map before /health answers
 
 
@@ -47,6 +53,7 @@ class LocalLlamaServer:
         self.process: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
         self.port = 0
+        self.api_key = ""
 
     @property
     def url(self) -> str:
@@ -58,13 +65,14 @@ class LocalLlamaServer:
             raise ServerError(
                 f"llama.cpp's server serves a .gguf file, not {self.model!r}: open a GGUF file as the target"
             )
-        self.port = _free_port()
+        self.port = loopback.free_port()
+        self.api_key = secrets.token_urlsafe(32)
         command = [
             self.binary,
             "-m",
             self.model,
             "--host",
-            "127.0.0.1",
+            loopback.HOST,
             "--port",
             str(self.port),
             *self.extra,
@@ -74,45 +82,55 @@ class LocalLlamaServer:
         # Its log goes to a file: a pipe nobody reads would fill and stall the server.
         self._log = tempfile.TemporaryFile()  # noqa: SIM115 (open while the server runs; closed in stop)
         try:
-            self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=self._log)
+            self.process = subprocess.Popen(
+                command,
+                stdout=subprocess.DEVNULL,
+                stderr=self._log,
+                env={**os.environ, KEY_ENV: self.api_key},
+            )
         except OSError as exc:
             raise ServerError(f"cannot start {self.binary}: {exc.strerror or exc}") from None
         atexit.register(self.stop)
-        self._wait_until_healthy(timeout, cancel)
+        try:
+            loopback.wait_until_serving(
+                self.process,
+                self.port,
+                name=Path(self.binary).name,
+                timeout=timeout,
+                cancel=cancel,
+                log_tail=self._last_error,
+            )
+            self._check_key_required()
+        except BaseException:
+            self.stop()
+            raise
         return self.url
 
-    def _wait_until_healthy(self, timeout: float, cancel: threading.Event | None) -> None:
-        deadline = time.monotonic() + timeout
-        while not self._healthy():
-            if cancel is not None and cancel.is_set():
-                self.stop()
-                raise Cancelled("starting llama.cpp's server was cancelled")
-            code = self.process.poll() if self.process else None
-            if code is not None:
-                raise ServerError(f"{Path(self.binary).name} exited with code {code}: {self._last_error()}")
-            if time.monotonic() > deadline:
-                self.stop()
-                raise ServerError(
-                    f"{Path(self.binary).name} did not answer on 127.0.0.1 within {timeout:g} s"
-                )
-            if cancel is not None:
-                cancel.wait(0.1)
-            else:
-                time.sleep(0.1)
+    def check_running(self) -> None:
+        """Raise `ServerError` once the server has ended: its port is then anyone's to take,
+        so nothing more (no prompt, no key) may be sent there."""
+        if self.process is None:
+            raise ServerError(f"{Path(self.binary).name} was stopped: load the model again to restart it")
+        loopback.check_running(self.process, Path(self.binary).name, self._last_error)
 
-    def _healthy(self) -> bool:
+    def _check_key_required(self) -> None:
+        """A server that answers without its key would serve any local program: refuse it."""
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=1) as reply:
-                return bool(reply.status == 200)
-        except OSError:
-            return False
+            status, _ = loopback.request(self.port, "GET", "/v1/models", timeout=loopback.HEALTH_TIMEOUT_S)
+        except (OSError, http.client.HTTPException) as exc:
+            raise ServerError(f"{Path(self.binary).name} stopped answering on {self.url}: {exc}") from None
+        if status not in (401, 403):
+            raise ServerError(
+                f"{Path(self.binary).name} answers without the API key it was given in {KEY_ENV} "
+                f"(HTTP {status} to a request without it): use a llama-server that reads {KEY_ENV}"
+            )
 
     def _last_error(self) -> str:
         if self._log is None:
             return "no output"
         self._log.seek(0)
         lines = self._log.read().decode("utf-8", "replace").strip().splitlines()
-        return lines[-1] if lines else "no output"
+        return lines[-1].strip() if lines else "no output"
 
     def stop(self) -> None:
         """Terminate the server (kill it if it lingers); safe to call twice."""
@@ -128,9 +146,3 @@ class LocalLlamaServer:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])

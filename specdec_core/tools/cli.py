@@ -200,6 +200,8 @@ def _generate(args: argparse.Namespace) -> int:
     progress = TerminalProgress()
     info = session.load(spec, progress=progress)
     progress.close()
+    if info.warning:  # before any branch: a served engine's key notices matter to every command
+        print(f"specdec: warning: {info.warning}", file=sys.stderr)
     if args.check_exactness:
         return _check_server(args, session, params)
     print(f"specdec: target on {info.description}, draft {info.draft_name}", file=sys.stderr)
@@ -207,8 +209,6 @@ def _generate(args: argparse.Namespace) -> int:
         print(f"specdec: fidelity: {info.fidelity}", file=sys.stderr)
     if info.exactness is not None:
         print(f"specdec: exactness: {info.exactness.summary()}", file=sys.stderr)
-    if info.warning:
-        print(f"specdec: warning: {info.warning}", file=sys.stderr)
     if not args.no_calibrate and params.draft_length is None:
         session.calibrate()
     if args.raw:

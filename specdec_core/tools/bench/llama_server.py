@@ -13,31 +13,30 @@ once), no prompt cache between requests (ours start from empty caches too), and 
 time is the server's own end-to-end `timings` (prompt processing + decoding), so HTTP
 overhead is not counted against it. Its speculative text is compared with its own
 plain text (`results.REFERENCES`): its weights are the GGUF's, not our int8 ones.
-The server listens on 127.0.0.1 only and lives as long as the bench run.
+The server listens on 127.0.0.1 only and lives as long as the bench run; it is reached
+directly and proved to hold its port alone, as the app's own local server is
+(`served.loopback`), so another program on that port is never measured.
 """
 
 from __future__ import annotations
 
 import hashlib
+import http.client
 import json
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
-from contextlib import ExitStack, suppress
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
 from ...disk_cache import cache_dir
-from ...errors import SpecdecError
+from ...errors import ServerError, SpecdecError
 from ...kernels.cpu import features
 from ...kernels.cpu.threads import default_governor
+from ...served import loopback
 from .methods import GREEDY, LLAMA_SERVER_DRAFT, PEER_METHODS, Decoding, Run
 
 BINARY_NAMES = ("llama-server", "llama-server-vulkan")
@@ -46,7 +45,7 @@ LLAMA_CPP_VERSION = "0.3.36"  # the llama-cpp-python sdist scripts/build-llama-c
 # draft length the issue measured with.
 SPEC_FLAGS = ("--spec-type", "draft-simple", "--spec-draft-n-max", "8")
 CONTEXT_TOKENS = 4096
-START_TIMEOUT_S = 300.0
+START_TIMEOUT_S = 300.0  # a large model takes a while to map before /health answers
 REQUEST_TIMEOUT_S = 900.0
 
 
@@ -125,59 +124,35 @@ class ServerSpec:
         return words
 
 
-def _exit_reason(returncode: int) -> str:
-    """How the server ended, in words: a build made for another CPU dies of SIGILL at its
-    first instruction this CPU lacks, which its own log never says."""
-    if returncode >= 0:
-        return f"exited with code {returncode}"
-    try:
-        name = signal.Signals(-returncode).name
-    except ValueError:
-        name = f"signal {-returncode}"
-    if name == "SIGILL":
-        return "was killed by SIGILL (an instruction this CPU lacks: a build for another CPU, e.g. AVX-512)"
-    return f"was killed by {name}"
-
-
 class LlamaServer:
     """One running server process on a free local port; `close()` stops it."""
 
     def __init__(self, spec: ServerSpec, log: Path | None = None) -> None:
         self.spec = spec
         self.log_path = log
-        self.port = _free_port()
+        self.port = loopback.free_port()
         self._log = open(log, "wb") if log else subprocess.DEVNULL  # noqa: SIM115 - closed in close()
         self.process = subprocess.Popen(
             spec.command(self.port), stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
         )
         try:
-            self._wait_ready()
+            loopback.wait_until_serving(
+                self.process,
+                self.port,
+                name="llama-server",
+                timeout=START_TIMEOUT_S,
+                log_tail=self._last_log_line,
+            )
+        except ServerError as exc:
+            self.close()
+            raise PeerUnavailable(str(exc)) from None
         except BaseException:
             self.close()
             raise
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def _wait_ready(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise PeerUnavailable(
-                    f"llama-server {_exit_reason(self.process.returncode)} at start{self._last_log_line()}"
-                )
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as reply:
-                    if reply.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass  # not listening yet, or still loading the model (503)
-            # A server loading a model answers nothing for seconds: poll gently (and
-            # notice at once if it exits).
-            with suppress(subprocess.TimeoutExpired):
-                self.process.wait(timeout=0.2)
-        raise PeerUnavailable(f"llama-server did not answer within {START_TIMEOUT_S:.0f} s")
+        return f"http://{loopback.HOST}:{self.port}"
 
     def _last_log_line(self) -> str:
         if self.log_path is None:
@@ -185,7 +160,7 @@ class LlamaServer:
         if not isinstance(self._log, int):
             self._log.flush()
         lines = [ln for ln in self.log_path.read_text(errors="replace").splitlines() if ln.strip()]
-        return f": {lines[-1].strip()} (log: {self.log_path})" if lines else ""
+        return f"{lines[-1].strip()} (log: {self.log_path})" if lines else ""
 
     def complete(self, prompt_ids: Sequence[int], max_new_tokens: int, decoding: Decoding = GREEDY) -> dict:
         body = {
@@ -199,15 +174,15 @@ class LlamaServer:
             "return_tokens": True,
             "seed": decoding.seed,
         }
-        request = urllib.request.Request(
-            self.url + "/completion",
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
-        )
         try:
-            with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as reply:
-                return json.loads(reply.read())
-        except (urllib.error.URLError, OSError, json.JSONDecodeError) as exc:
+            loopback.check_running(self.process, "llama-server")  # its port is no one's once it ends
+            status, data = loopback.request(self.port, "POST", "/completion", body, timeout=REQUEST_TIMEOUT_S)
+            if status != 200:
+                raise SpecdecError(
+                    f"llama-server answered HTTP {status}: {data[:200].decode(errors='replace')}"
+                )
+            return dict(json.loads(data))
+        except (ServerError, OSError, http.client.HTTPException, json.JSONDecodeError) as exc:
             raise SpecdecError(f"llama-server request failed: {exc}") from exc
 
     def close(self) -> None:
@@ -220,12 +195,6 @@ class LlamaServer:
                 self.process.wait()
         if not isinstance(self._log, int):  # DEVNULL is an int
             self._log.close()
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class LlamaServerMethod:
