@@ -13,7 +13,7 @@ from pathlib import Path
 
 from PySide6.QtCore import QObject, Signal
 
-from specdec_core import Compatibility, SessionInfo, gguf_drafts_near
+from specdec_core import Compatibility, SessionInfo
 
 from . import catalog_info
 from .model_toolbar import DRAFT_LABELS, ModelToolbar, ask_llama_server, short_ref
@@ -196,10 +196,10 @@ class ModelController(QObject):
 
     # -- menus ------------------------------------------------------------------------------
     def draft_candidates(self) -> list[str]:
-        """Catalog drafts, the current draft, recent models and the GGUFs beside a GGUF
-        target; never the target itself."""
+        """Catalog drafts, the current draft, recent models and whatever else the session
+        rated (the GGUFs beside a GGUF target); never the target itself."""
         refs = [entry.name for entry in catalog_info.entries() if "draft" in entry.roles]
-        refs += [self.draft, *self.settings.recent_models, *gguf_drafts_near(self.target)]
+        refs += [self.draft, *self.settings.recent_models, *self._verdicts]
         out: list[str] = []
         for ref in refs:
             if ref and ref not in out and ref not in DRAFT_LABELS and ref != self.target:

@@ -31,7 +31,6 @@ _EXPORTS = {
     "GenerationStats": "engine.stats",
     "Message": "models.chat",
     "Compatibility": "models.compat",
-    "gguf_drafts_near": "models.compat",
     "ModelEntry": "models.catalog",
     "load_catalog": "models.catalog",
     "DEFAULT_TARGET": "models.catalog",
@@ -69,7 +68,6 @@ __all__ = [
     "StepEvent",
     "TokenEvent",
     "add_model_options",
-    "gguf_drafts_near",
     "load_catalog",
     "prepare_process",
 ]
@@ -81,7 +79,7 @@ if TYPE_CHECKING:
     from .errors import Cancelled, SpecdecError
     from .models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET, ModelEntry, load_catalog
     from .models.chat import Message
-    from .models.compat import Compatibility, gguf_drafts_near
+    from .models.compat import Compatibility
     from .models.loading import DEVICES, PRECISIONS
     from .progress import Progress
     from .session import ChatSession, LoadSpec, SessionInfo

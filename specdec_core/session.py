@@ -53,7 +53,7 @@ from .errors import (
 )
 from .kernels.dispatch import step_label
 from .models.chat import Message, encode_chat, encode_text
-from .models.compat import Compatibility, rate_draft
+from .models.compat import Compatibility, gguf_drafts_near, rate_draft
 from .models.loading import LoadedModel, load_model
 from .models.pair import DraftSpec, LoadedPair, load_draft, make_engine
 from .progress import Progress, ProgressCallback, check_cancelled
@@ -258,12 +258,14 @@ class ChatSession:
 
     def rate_drafts(self, refs: Sequence[str]) -> dict[str, Compatibility]:
         """Whether each candidate draft fits the loaded target, with a reason, without loading
-        weights or downloading anything (`compat.rate_draft`: one verdict for every front end)."""
+        weights or downloading anything (`compat.rate_draft`: one verdict for every front end).
+        The GGUF files beside a GGUF target are rated too (`compat.gguf_drafts_near`): a front
+        end offers what it gets verdicts for."""
         if self._served is not None:
             return {ref: Compatibility(False, "the server runs its own draft") for ref in refs}
         pair = self._require()
         verdicts: dict[str, Compatibility] = {}
-        for ref in refs:
+        for ref in dict.fromkeys([*refs, *gguf_drafts_near(pair.target.ref)]):
             try:
                 verdict = _rate_draft(pair.target, ref)
             except SpecdecError as exc:

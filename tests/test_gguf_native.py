@@ -228,3 +228,15 @@ def test_every_block_type_as_stored_answers_as_the_target_alone_with_every_draft
     alone = list(list(engine.generate(prompt, params))[-1].token_ids)
     accepted = accepted_by_every_drafter(engine, draft, prompt, params, alone, f"{qtype}: ")
     assert accepted > 0  # speculation really ran
+
+
+def test_the_session_rates_the_ggufs_beside_a_gguf_target_without_converting_them(tmp_path):
+    target = write_tiny_llama_gguf(tmp_path / "models" / "target.Q8_0.gguf", hidden=128, ffn=256)
+    beside = write_tiny_llama_gguf(tmp_path / "models" / "draft.Q8_0.gguf")
+    session = ChatSession()
+    session.load(LoadSpec(target=str(target), draft="none", device="cpu", precision="gguf"))
+    verdicts = session.rate_drafts(["ngram"])
+    assert set(verdicts) == {"ngram", str(beside)}
+    assert verdicts[str(beside)].compatible and verdicts[str(beside)].basis == "tokenizers"
+    converted = tmp_path / "cache" / "converted"
+    assert all(folder.name.endswith("-meta") for folder in converted.iterdir())  # no weights converted
