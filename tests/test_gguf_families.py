@@ -58,6 +58,7 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "gemma2": ("Gemma2", dict(_GEMMA, attn_logit_softcapping=20.0, final_logit_softcapping=30.0, tie_word_embeddings=True)),
     "gemma3": ("Gemma3Text", dict(_GEMMA, layer_types=["sliding_attention", "full_attention"], rope_parameters=GEMMA3_ROPE)),
     "phi3": ("Phi3", {"sliding_window": None}),
+    "phi3-partial": ("Phi3", {"sliding_window": None, "partial_rotary_factor": 0.5}),  # as Phi-4-mini's 0.75
     "phi3-longrope": ("Phi3", {"sliding_window": None, "original_max_position_embeddings": 64, "rope_parameters": LONGROPE}),
 }
 
@@ -141,7 +142,7 @@ def write_gguf(path: Path, family: str, model: Any, qtype: str = "F32", *, keys:
     writer.add_value_length(head_dim)
     rope = config.rope_parameters.get("full_attention", config.rope_parameters)
     writer.add_rope_freq_base(rope["rope_theta"])
-    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
     tensors = dict(extra_tensors or {})
     if arch == "llama" and rope.get("rope_type") == "llama3":
         tensors["rope_freqs.weight"] = llama3_rope_freqs(head_dim)
@@ -220,7 +221,7 @@ def logits(model: Any, ids: list[int]) -> torch.Tensor:
 # transformers' longrope turns to its long factors, which llama.cpp takes at a context as
 # long as the file's, the context a model runs here.
 IDS = [(7 * i + 3) % 250 + 5 for i in range(80)]
-FAMILIES = ["llama", "llama3", "qwen2", "qwen2-yarn", "qwen3", "gemma2", "gemma3", "phi3", "phi3-longrope"]
+FAMILIES = ["llama", "llama3", "qwen2", "qwen2-yarn", "qwen3", "gemma2", "gemma3", "phi3", "phi3-partial", "phi3-longrope"]
 
 
 @pytest.mark.parametrize("qtype", ["F32", "Q8_0"])

@@ -9,11 +9,16 @@ the activations: Q4_K and Q6_K tensors are repacked losslessly for the int4 kern
 rows are int8 per 32 inputs (finer than llama.cpp's Q8_K, one scale per 256), and every
 other type keeps fp32 rows (`_activations`).
 
-Families whose GGUF tensors map onto transformers' modules name by name are listed in
-`ARCHITECTURES`; llama.cpp stores a Llama's q/k rows in its own rotary order, which
-`llama_rows` undoes by reordering whole rows (each row is whole blocks, kept as they
-are). Any other family, or a tensor of a type without a kernel, is refused in one line
-and the caller falls back to the converted copy.
+The model computes what llama.cpp computes from the file, family by family
+(`ARCHITECTURES`: Llama, Mistral files included, Qwen2, Qwen3, Gemma 2, Gemma 3, Phi-3):
+its config is the header's as llama.cpp's loader reads it (gguf_to_hf.config_from_header),
+its rotary embedding the header's and the rope tensors' (gguf_rope.py), and each family's
+tensors map onto transformers' modules (`FAMILY_TENSORS`). llama.cpp stores a Llama's q/k
+rows in its own rotary order, which `llama_rows` undoes by reordering whole rows (each row
+is whole blocks, kept as they are); Gemma's norm weights hold the 1 transformers adds, so
+its norms become ones multiplying by the weight as stored (`StoredRMSNorm`). A tensor the
+model has no place for is one line, never dropped. Any other family, or a tensor of a type
+without a kernel, is refused in one line and the caller falls back to the converted copy.
 """
 
 from __future__ import annotations

@@ -3,6 +3,9 @@ safetensors, tokenizer, a generation config of token ids only).
 
 Run in a child process of its own (conversion_process.py) or, in a frozen bundle, in
 this one; gguf_convert.py decides which and keeps the result in the disk cache.
+
+For the families run as stored, the config is instead the header's, read as llama.cpp's
+loader reads it (`config_from_header`), with no pass over the file's arrays.
 """
 
 from __future__ import annotations
