@@ -44,9 +44,10 @@ from ..kernels.cpu.gguf_blocks import (
 from ..kernels.cpu.int4_cpu import K_SCALES, Int4Linear
 from .gguf_file import GGUFFile
 from .gguf_rope import FULL, read_rope, set_rotation
+from .gguf_to_hf import MODEL_TYPES
 
 F32 = 0
-ARCHITECTURES = ("qwen2", "llama", "qwen3", "gemma2", "gemma3", "phi3")
+ARCHITECTURES = tuple(MODEL_TYPES)  # the families whose config the header gives (gguf_to_hf)
 # The block types whose kernels read a step's weights at about the pace of the re-quantized
 # int4 path: `auto` runs a file as stored only when all its quantized tensors are of these
 # (docs/models.md#fidelity); `--precision gguf` runs any supported type.
