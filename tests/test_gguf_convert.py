@@ -156,20 +156,6 @@ def write_tiny_llama_gguf(
 
     `never_ends`: the special tokens' (tied) embedding rows are zero, so their logit is 0
     and a greedy answer never picks one: it runs to its token limit (the served tests)."""
-    backend = Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
-    )  # fmt: skip
-    backend.train_from_iterator(
-        corpus or ["def is_prime(n): return n > 1", "hello world, speculative decoding"] * 5, trainer
-    )
-    model = json.loads(backend.to_str())["model"]
-    tokens = sorted(model["vocab"], key=model["vocab"].get)
-    merges = [" ".join(m) if isinstance(m, list) else m for m in model["merges"]]
-
     path.parent.mkdir(parents=True, exist_ok=True)
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(LAYERS)
@@ -180,17 +166,8 @@ def write_tiny_llama_gguf(
     writer.add_head_count_kv(KV_HEADS)
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_vocab_size(len(tokens))
     writer.add_rope_dimension_count(hidden // HEADS)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_types([3 if t.startswith("<|") else 1 for t in tokens])
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(0)
-    writer.add_eos_token_id(2)
-    writer.add_add_bos_token(add_bos)
-    writer.add_chat_template(CHAT_TEMPLATE)
+    tokens = add_tiny_tokenizer(writer, add_bos=add_bos, corpus=corpus)
 
     rng = np.random.default_rng(0)
 
@@ -227,6 +204,37 @@ def write_tiny_llama_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def add_tiny_tokenizer(
+    writer: gguf.GGUFWriter, *, add_bos: bool = False, corpus: list[str] | None = None
+) -> list[str]:
+    """A byte-level BPE vocabulary of ~300 tokens trained on a few phrases (`corpus`), its special
+    tokens and chat template in the header; returns the tokens (the vocabulary's size is its length)."""
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )  # fmt: skip
+    backend.train_from_iterator(
+        corpus or ["def is_prime(n): return n > 1", "hello world, speculative decoding"] * 5, trainer
+    )
+    model = json.loads(backend.to_str())["model"]
+    tokens = sorted(model["vocab"], key=model["vocab"].get)
+    merges = [" ".join(m) if isinstance(m, list) else m for m in model["merges"]]
+    writer.add_vocab_size(len(tokens))
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t.startswith("<|") else 1 for t in tokens])
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(2)
+    writer.add_add_bos_token(add_bos)
+    writer.add_chat_template(CHAT_TEMPLATE)
+    return tokens
 
 
 def random_blocks(kind: gguf.GGMLQuantizationType, shape: tuple[int, int], rng: np.random.Generator) -> np.ndarray:

@@ -362,17 +362,17 @@ def test_an_unmapped_family_or_no_compiler_is_todays_path_at_auto_and_one_line_w
     wide_folder, monkeypatch
 ):
     from specdec_core.errors import ModelLoadError
-    from specdec_core.models import gguf_native
+    from specdec_core.models import hf_blocks
     from specdec_core.models.loading import load_model
 
-    mapped = gguf_native.ARCHITECTURES
-    monkeypatch.setattr(gguf_native, "ARCHITECTURES", ("llama",))
+    mapped = hf_blocks.WRITTEN
+    monkeypatch.setattr(hf_blocks, "WRITTEN", ("llama",))
     assert load_model(str(wide_folder), device="cpu", precision="auto").precision != "q4_k_m"
     with pytest.raises(
         ModelLoadError, match=r"q4_k_m quantizes an HF folder into llama\.cpp's blocks, and qwen2 models"
     ):
         load_model(str(wide_folder), device="cpu", precision="q4_k_m")
-    monkeypatch.setattr(gguf_native, "ARCHITECTURES", mapped)
+    monkeypatch.setattr(hf_blocks, "WRITTEN", mapped)
     monkeypatch.setattr(native, "unavailable", lambda: "found no C compiler (cc, gcc)")
     loaded = load_model(str(wide_folder), device="cpu", precision="auto")
     assert loaded.precision not in ("q4_k_m", "int4") and loaded.fidelity.startswith("re-quantized")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import mmap
 import struct
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,9 @@ class GGUFFile:
     tensors: dict[str, TensorInfo]
     data_start: int
     mapping: np.ndarray  # the whole file, read-only
+    # The short arrays of numbers (a per-layer pattern): their values. Strings and long
+    # arrays (a vocabulary) are stepped over, their lengths only kept.
+    numbers: dict[str, list[Any]] = field(default_factory=dict)
 
     @property
     def architecture(self) -> str:
@@ -148,11 +151,16 @@ def _parse(path: Path, mapping: np.ndarray) -> GGUFFile:
         raise ValueError(f"its header counts {n_tensors} tensors and {n_fields} fields")
     fields: dict[str, Any] = {}
     lengths: dict[str, int] = {}
+    numbers: dict[str, list[Any]] = {}
     for _ in range(n_fields):
         key = cursor.string()
         kind = cursor.take("<I")
         if kind == _ARRAY:
+            start = cursor.at
             lengths[key] = _skip_array(cursor)
+            values = _short_numbers(cursor, start)
+            if values is not None:
+                numbers[key] = values
         else:
             fields[key] = _value(cursor, kind)
     tensors = {}
@@ -168,7 +176,7 @@ def _parse(path: Path, mapping: np.ndarray) -> GGUFFile:
         raise ModelLoadError(
             f"{path.name} is a truncated GGUF file: {mapping.size} bytes, its tensors need {end}; download it again"
         )
-    return GGUFFile(path, fields, lengths, tensors, data_start, mapping)
+    return GGUFFile(path, fields, lengths, tensors, data_start, mapping, numbers)
 
 
 def _nbytes(info: TensorInfo) -> int:
@@ -185,6 +193,18 @@ def _value(cursor: _Cursor, kind: int) -> Any:
     if fmt is None:
         raise ValueError(f"unknown field type {kind}")
     return cursor.take(fmt)
+
+
+SHORT_ARRAY = 4096  # items: a per-layer array of any model, not a vocabulary's scores
+
+
+def _short_numbers(cursor: _Cursor, start: int) -> list[Any] | None:
+    """The values of the array of numbers at `start` when it is short, else None."""
+    kind, count = struct.unpack_from("<IQ", cursor.buffer, start)
+    fmt = _SCALARS.get(kind)
+    if fmt is None or count > SHORT_ARRAY:
+        return None
+    return list(struct.unpack_from(f"<{count}{fmt[1]}", cursor.buffer, start + 12))
 
 
 def _skip_array(cursor: _Cursor) -> int:

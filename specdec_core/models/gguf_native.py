@@ -9,11 +9,16 @@ the activations: Q4_K and Q6_K tensors are repacked losslessly for the int4 kern
 rows are int8 per 32 inputs (finer than llama.cpp's Q8_K, one scale per 256), and every
 other type keeps fp32 rows (`_activations`).
 
-Families whose GGUF tensors map onto transformers' modules name by name are listed in
-`ARCHITECTURES`; llama.cpp stores a Llama's q/k rows in its own rotary order, which
-`llama_rows` undoes by reordering whole rows (each row is whole blocks, kept as they
-are). Any other family, or a tensor of a type without a kernel, is refused in one line
-and the caller falls back to the converted copy.
+The model computes what llama.cpp computes from the file, family by family
+(`ARCHITECTURES`: Llama, Mistral files included, Qwen2, Qwen3, Gemma 2, Gemma 3, Phi-3):
+its config is the header's as llama.cpp's loader reads it (gguf_to_hf.config_from_header),
+its rotary embedding the header's and the rope tensors' (gguf_rope.py), and each family's
+tensors map onto transformers' modules (`FAMILY_TENSORS`). llama.cpp stores a Llama's q/k
+rows in its own rotary order, which `llama_rows` undoes by reordering whole rows (each row
+is whole blocks, kept as they are); Gemma's norm weights hold the 1 transformers adds, so
+its norms become ones multiplying by the weight as stored (`StoredRMSNorm`). A tensor the
+model has no place for is one line, never dropped. Any other family, or a tensor of a type
+without a kernel, is refused in one line and the caller falls back to the converted copy.
 """
 
 from __future__ import annotations
@@ -39,14 +44,18 @@ from ..kernels.cpu.gguf_blocks import (
 )
 from ..kernels.cpu.int4_cpu import K_SCALES, Int4Linear
 from .gguf_file import GGUFFile
+from .gguf_rope import FULL, read_rope, set_rotation
+from .gguf_to_hf import MODEL_TYPES
 
 F32 = 0
-ARCHITECTURES = ("qwen2", "llama")
+ARCHITECTURES = tuple(MODEL_TYPES)  # the families whose config the header gives (gguf_to_hf)
 # The block types whose kernels read a step's weights at about the pace of the re-quantized
 # int4 path: `auto` runs a file as stored only when all its quantized tensors are of these
 # (docs/models.md#fidelity); `--precision gguf` runs any supported type.
 Q4_K, Q6_K = 12, 14
 FAST_TYPES: frozenset[int] = frozenset({F32, Q4_K, Q6_K})
+# A layer's GGUF tensors (after "blk.N.") and the modules of transformers' decoder layer that
+# hold them: a Llama's and a Qwen2's (hf_blocks.py writes these), then each family's own.
 LAYER_TENSORS = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
@@ -58,18 +67,46 @@ LAYER_TENSORS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+_QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+# Gemma: a norm after attention and after the MLP; llama.cpp's `ffn_norm` is the one before it.
+_GEMMA_NORMS = {
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+FAMILY_TENSORS: dict[str, dict[str, str]] = {
+    "llama": LAYER_TENSORS,
+    "qwen2": LAYER_TENSORS,
+    "qwen3": {**LAYER_TENSORS, **_QK_NORMS},
+    "gemma2": {**LAYER_TENSORS, **_GEMMA_NORMS},
+    "gemma3": {**LAYER_TENSORS, **_GEMMA_NORMS, **_QK_NORMS},
+    # Phi-3's q/k/v and gate/up are one matrix each, in the file as in transformers' modules.
+    "phi3": {
+        "attn_norm": "input_layernorm",
+        "ffn_norm": "post_attention_layernorm",
+        "attn_qkv": "self_attn.qkv_proj",
+        "attn_output": "self_attn.o_proj",
+        "ffn_up": "mlp.gate_up_proj",
+        "ffn_down": "mlp.down_proj",
+    },
+}
+# Families whose RMS norms transformers computes as x * (1 + w): llama.cpp's converter stores
+# their weights with the 1 added and multiplies by them as stored (its `build_norm`), and so
+# does the plain norm put in their place here. The embedding is scaled by sqrt(width) in both.
+_OFFSET_NORMS = ("gemma2", "gemma3")
 
 
 class GGUFEmbedding(nn.Module):
-    """Token embeddings read from the file's blocks: each forward de-quantizes its rows only."""
+    """Token embeddings read from the file's blocks: each forward de-quantizes its rows only,
+    times `scale` where the family's graph scales them (Gemma: sqrt(width), in fp32)."""
 
-    def __init__(self, qtype: int, rows: np.ndarray, dim: int) -> None:
+    def __init__(self, qtype: int, rows: np.ndarray, dim: int, scale: float | None = None) -> None:
         super().__init__()
-        self.qtype, self.rows, self.embedding_dim = qtype, rows, dim
+        self.qtype, self.rows, self.embedding_dim, self.scale = qtype, rows, dim, scale
         self.num_embeddings = rows.shape[0]
 
     def dense_weight(self) -> torch.Tensor:
-        """All rows de-quantized [num_embeddings, dim], exactly as `forward` reads them."""
+        """All rows de-quantized [num_embeddings, dim], exactly as `forward` reads them (unscaled)."""
         return GGUFLinear(self.qtype, self.rows, self.embedding_dim, self.num_embeddings).dense_weight()
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -78,7 +115,31 @@ class GGUFEmbedding(nn.Module):
 
         flat = ids.reshape(-1).cpu().numpy()
         values = dequantize(self.rows[flat], GGMLQuantizationType(self.qtype)).reshape(len(flat), self.embedding_dim)
-        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).view(*ids.shape, -1)
+        rows = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).view(*ids.shape, -1)
+        return rows if self.scale is None else rows * torch.tensor(self.scale, dtype=rows.dtype)
+
+
+class ScaledEmbedding(nn.Embedding):
+    """A plain embedding whose rows are multiplied by `scale` (a de-quantized GGUFEmbedding's)."""
+
+    scale: float
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(ids) * torch.tensor(self.scale, dtype=self.weight.dtype)
+
+
+class StoredRMSNorm(nn.Module):
+    """RMS norm multiplying by its weight as stored, as llama.cpp's `build_norm` does (where
+    transformers' Gemma norm multiplies by 1 + weight, the converter having added the 1)."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size, device="meta"), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * self.weight.float()).to(x.dtype)
 
 
 def refusal(file: GGUFFile) -> str | None:
@@ -123,10 +184,14 @@ def type_counts(file: GGUFFile) -> dict[str, int]:
     return dict(Counter(GGMLQuantizationType(info.qtype).name for info in file.tensors.values()))
 
 
-def build_model(file: GGUFFile, config: Any, *, as_stored: bool = True) -> nn.Module:
+def build_model(file: GGUFFile, config: Any, *, as_stored: bool = True, rope_from_file: bool = True) -> nn.Module:
     """The model of `config` computing with `file`'s tensors as stored, or (`as_stored=False`)
     with plain fp32 modules holding them de-quantized: the values a conversion would write,
-    made in memory, for the CPU's own precisions to quantize from."""
+    made in memory, for the CPU's own precisions to quantize from.
+
+    The rotary embedding rotates as the file's header and rope tensors say (gguf_rope.py);
+    `rope_from_file=False` keeps the config's (a file hf_blocks.py wrote from a folder, whose
+    config is the source). Every tensor of the file is used, or the load is one line."""
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
@@ -135,20 +200,75 @@ def build_model(file: GGUFFile, config: Any, *, as_stored: bool = True) -> nn.Mo
         raise ModelLoadError(f"{file.path.name}: {reason}")
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    inner = model.model
-    rows = llama_rows(config) if file.architecture == "llama" else {}
+    arch, inner = file.architecture, model.model
+    tensors = _Tensors(file)
+    if arch in _OFFSET_NORMS:
+        _stored_norms(model)
+    rows = llama_rows(config) if arch == "llama" else {}
     for index, layer in enumerate(inner.layers):
-        for short, path in LAYER_TENSORS.items():
-            _place(layer, path, file, f"blk.{index}.{short}", rows.get(short))
+        for short, path in FAMILY_TENSORS[arch].items():
+            _place(layer, path, tensors, f"blk.{index}.{short}", rows.get(short))
     embd = file.tensors["token_embd.weight"]
-    inner.embed_tokens = GGUFEmbedding(embd.qtype, file.raw("token_embd.weight"), embd.dims[0])
-    _set_weight(inner.norm, file.floats("output_norm.weight"))
-    head = "output.weight" if "output.weight" in file.tensors else "token_embd.weight"
-    model.lm_head = _linear(file, head, None)
+    scale = float(config.hidden_size) ** 0.5 if arch in _OFFSET_NORMS else None
+    inner.embed_tokens = GGUFEmbedding(embd.qtype, tensors.raw("token_embd.weight"), embd.dims[0], scale)
+    _set_weight(inner.norm, tensors.floats("output_norm.weight"))
+    # llama.cpp's Gemma 2 reads its head from the embedding whatever else the file holds.
+    head = "output.weight" if "output.weight" in file.tensors and arch != "gemma2" else "token_embd.weight"
+    model.lm_head = _linear(tensors, head, None)
+    if rope_from_file:
+        rope = read_rope(file, list(getattr(config, "layer_types", None) or [FULL]), _head_dim(config))
+        tensors.used.update(rope.tensors)
+        set_rotation(model, rope)
     _check_no_empty_weights(model, file)
+    tensors.check_all_used()
     if not as_stored:
         _dequantize(model, tied=head == "token_embd.weight")
     return model.eval()
+
+
+class _Tensors:
+    """The file's tensors, noting which the model takes: a tensor no module takes would be
+    a part of the model left out, so the load refuses it in one line rather than run without."""
+
+    def __init__(self, file: GGUFFile) -> None:
+        self.file = file
+        self.used: set[str] = set()
+
+    def info(self, name: str) -> Any:
+        if name not in self.file.tensors:
+            raise ModelLoadError(f"{self.file.path.name}: no tensor {name} in the file")
+        self.used.add(name)
+        return self.file.tensors[name]
+
+    def raw(self, name: str) -> np.ndarray:
+        self.info(name)
+        return self.file.raw(name)
+
+    def floats(self, name: str) -> np.ndarray:
+        self.info(name)
+        return self.file.floats(name)
+
+    def check_all_used(self) -> None:
+        unused = [name for name in self.file.tensors if name not in self.used]
+        if unused:
+            more = f" and {len(unused) - 3} more" if len(unused) > 3 else ""
+            raise ModelLoadError(
+                f"{self.file.path.name}: tensors this {self.file.architecture} model has no place for: "
+                f"{', '.join(unused[:3])}{more}"
+            )
+
+
+def _head_dim(config: Any) -> int:
+    return int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+
+
+def _stored_norms(model: nn.Module) -> None:
+    """Every RMS norm of the model replaced by one multiplying by its weight as stored."""
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            weight = getattr(child, "weight", None)
+            if type(child).__name__.endswith("RMSNorm") and isinstance(weight, torch.Tensor):
+                setattr(module, name, StoredRMSNorm(int(weight.shape[0]), float(getattr(child, "eps", 1e-6))))
 
 
 def _dequantize(model: Any, *, tied: bool) -> None:
@@ -157,13 +277,21 @@ def _dequantize(model: Any, *, tied: bool) -> None:
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, GGUFEmbedding):
-                setattr(module, name, nn.Embedding.from_pretrained(child.dense_weight(), freeze=True))
+                setattr(module, name, _dense_embedding(child))
             elif isinstance(child, GGUFLinear) and not (tied and child is head):
                 setattr(module, name, _dense_linear(child))
     if tied:  # one tensor, as transformers ties them
         embedding = model.model.embed_tokens
         model.lm_head = nn.Linear(embedding.embedding_dim, embedding.num_embeddings, bias=False, device="meta")
         model.lm_head.weight = embedding.weight
+
+
+def _dense_embedding(blocks: GGUFEmbedding) -> nn.Embedding:
+    if blocks.scale is None:
+        return nn.Embedding.from_pretrained(blocks.dense_weight(), freeze=True)
+    embedding = ScaledEmbedding.from_pretrained(blocks.dense_weight(), freeze=True)
+    embedding.scale = blocks.scale
+    return embedding
 
 
 def _dense_linear(blocks: GGUFLinear) -> nn.Linear:
@@ -174,21 +302,22 @@ def _dense_linear(blocks: GGUFLinear) -> nn.Linear:
     return linear
 
 
-def _place(layer: nn.Module, path: str, file: GGUFFile, stem: str, order: np.ndarray | None) -> None:
+def _place(layer: nn.Module, path: str, tensors: _Tensors, stem: str, order: np.ndarray | None) -> None:
     parent_path, _, name = path.rpartition(".")
     parent = layer.get_submodule(parent_path) if parent_path else layer
     module = getattr(parent, name)
     if isinstance(module, nn.Linear):
-        setattr(parent, name, _linear(file, f"{stem}.weight", order))
+        setattr(parent, name, _linear(tensors, f"{stem}.weight", order))
     else:
-        _set_weight(module, file.floats(f"{stem}.weight"))
+        _set_weight(module, tensors.floats(f"{stem}.weight"))
 
 
-def _linear(file: GGUFFile, name: str, order: np.ndarray | None) -> GGUFLinear:
-    info = file.tensors[name]
+def _linear(tensors: _Tensors, name: str, order: np.ndarray | None) -> GGUFLinear:
+    file = tensors.file
+    info = tensors.info(name)
     blocks = file.raw(name)
     bias_name = name.removesuffix(".weight") + ".bias"
-    bias = torch.from_numpy(np.array(file.floats(bias_name))) if bias_name in file.tensors else None
+    bias = torch.from_numpy(np.array(tensors.floats(bias_name))) if bias_name in file.tensors else None
     if order is not None:  # a copy of these rows only, each row's blocks unchanged
         blocks = np.ascontiguousarray(blocks[order])
         bias = bias[torch.from_numpy(order)] if bias is not None else None

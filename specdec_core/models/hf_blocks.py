@@ -79,6 +79,9 @@ _GLOBAL_NAMES = {
     "lm_head.weight": "output.weight",
 }
 _LAYER_NAMES = {path: short for short, path in gguf_native.LAYER_TENSORS.items()}
+# The families whose folders are written here: their tensors are LAYER_TENSORS' and their
+# norms plain (a Gemma's would need the converter's +1 and its own names).
+WRITTEN = ("qwen2", "llama")
 _IGNORED = (".rotary_emb.inv_freq",)  # a buffer some checkpoints store, computed from the config
 
 
@@ -163,8 +166,8 @@ def runs_fast(planned: Iterable[Planned]) -> bool:
 
 def refusal(folder: Path, config: Any) -> str | None:
     """Why `folder` cannot become llama.cpp blocks here (one line), or None when it can."""
-    if config.model_type not in gguf_native.ARCHITECTURES:
-        return f"{config.model_type} models are not written as llama.cpp blocks yet (only {', '.join(gguf_native.ARCHITECTURES)})"
+    if config.model_type not in WRITTEN:
+        return f"{config.model_type} models are not written as llama.cpp blocks yet (only {', '.join(WRITTEN)})"
     if not list(folder.glob("*.safetensors")):
         return "its weights are not safetensors"
     return native.unavailable()
@@ -372,7 +375,7 @@ def measure_probe(folder: Path, config: Any, gguf_path: Path, mix: str) -> Probe
     if not reference_fits(sum(int(np.prod(shape)) for shape in shapes_of(folder).values())):
         return Probe(mix=MIXES[mix], source_dtype=dtype, kl_mean=None, kl_p99=None, top1_agreement=None,
                      positions=0, ctx=0)  # fmt: skip
-    quantized = gguf_native.build_model(read_gguf(gguf_path), config)
+    quantized = gguf_native.build_model(read_gguf(gguf_path), config, rope_from_file=False)
     source = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, use_kernels=False).eval()
     result = measure_on_probe(quantized, source, AutoTokenizer.from_pretrained(folder))
     return Probe(

@@ -41,6 +41,7 @@ from . import gguf_convert, gguf_native, hf_blocks, requant_probe
 from .cpu_backend import prepare_as_stored, prepare_for_cpu
 from .gguf_convert import metadata_folder
 from .gguf_file import GGUFFile, read_gguf
+from .gguf_to_hf import config_from_header
 from .refs import gguf_file_of, resolve_model_ref
 from .requirements import check_requirements
 
@@ -249,7 +250,7 @@ def _load_folder_as_blocks(
     tokenizer = load_tokenizer(path, ref, trust_remote_code)
     file = read_gguf(made.gguf)
     try:
-        model = gguf_native.build_model(file, config)
+        model = gguf_native.build_model(file, config, rope_from_file=False)  # the folder's config rotates
         prepare_as_stored(model)  # repacked weights in 2 MB pages; attention row-wise
     except (torch.OutOfMemoryError, MemoryError) as exc:
         raise OutOfMemory(f"out of memory loading {ref} at {mix} on cpu; {_oom_hint('cpu', 'int4')}") from exc
@@ -300,7 +301,9 @@ def _load_from_file(
     another precision (the values a conversion to fp32 would hold, with no copy on disk).
     `probe`: a re-quantization's label carries its measured KL (requant_probe.py)."""
     meta = metadata_folder(file.path, label=Path(ref).name or ref, progress=progress, cancel=cancel)
-    config = load_config(meta, ref, trust_remote_code)
+    # The header's own config, as llama.cpp reads it, even where the folder holds a full
+    # conversion's (transformers' reading of the same file, which may differ).
+    config = config_from_header(file) or load_config(meta, ref, trust_remote_code)
     stored = precision == AS_STORED
     if not stored:
         precision = resolve_precision(precision, "cpu", 0)
