@@ -41,7 +41,10 @@ _SHAPE: dict[str, Any] = dict(
 )
 # Gemma ties its head to the embeddings (the converter writes no output.weight for it).
 _GEMMA: dict[str, Any] = dict(
-    head_dim=HEAD_DIM, query_pre_attn_scalar=HEAD_DIM, sliding_window=WINDOW, tie_word_embeddings=True
+    head_dim=HEAD_DIM, query_pre_attn_scalar=HEAD_DIM, sliding_window=WINDOW, tie_word_embeddings=True,
+    # The embedding scaled by sqrt(width) in the graph: a smaller init keeps the logits from a
+    # one-hot distribution, on which no rounding or mistake would show.
+    initializer_range=0.03,
 )
 _LLAMA3_ROPE = dict(
     rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
