@@ -109,32 +109,30 @@ def test_an_architecture_without_a_mapping_is_refused_in_one_line(tiny_gguf, mon
     assert load_model(str(tiny_gguf), device="cpu", precision="auto").precision != "gguf"
 
 
-@needs_kernel  # without them no type is fast: the next test
-def test_auto_runs_a_gguf_as_stored_only_where_the_kernels_are_fast(tiny_gguf, monkeypatch):
-    monkeypatch.setattr(gguf_native, "FAST_TYPES", frozenset({0, 8}))  # F32 and Q8_0
+@needs_kernel  # without them: the next test
+def test_auto_runs_a_gguf_target_as_stored_whatever_its_types(tiny_gguf, monkeypatch):
     monkeypatch.setattr(native, "vector_build", lambda: True)  # the scalar build: the next test but one
-    assert load_model(str(tiny_gguf), device="cpu", precision="auto").precision == "gguf"
-    monkeypatch.setattr(gguf_native, "FAST_TYPES", frozenset({0}))
-    slow = load_model(str(tiny_gguf), device="cpu", precision="auto")
-    assert slow.precision != "gguf" and slow.fidelity.startswith(f"re-quantized: {slow.precision} from")
+    assert 8 not in gguf_native.FAST_TYPES  # Q8_0, slower than our int4 path: still the file's
+    target = load_model(str(tiny_gguf), device="cpu", precision="auto")
+    assert target.precision == "gguf" and target.fidelity.startswith("as stored")
+    draft = load_model(str(tiny_gguf), device="cpu", precision="auto", as_stored=False)
+    assert draft.precision != "gguf"  # a draft's numbers never reach the answer: the fastest path
 
 
-def test_auto_leaves_a_fast_type_to_the_converted_path_where_the_kernels_do_not_run(tiny_gguf, monkeypatch):
-    monkeypatch.setattr(gguf_native, "FAST_TYPES", frozenset({0, 8}))  # F32 and Q8_0
+def test_auto_leaves_a_gguf_to_the_converted_path_where_the_kernels_do_not_run(tiny_gguf, monkeypatch):
     monkeypatch.setattr(native, "unavailable", lambda: "no C compiler (cc, gcc)")
     file = read_gguf(tiny_gguf)
-    assert not gguf_native.runs_fast(file)  # the fallback de-quantizes on every call: not fast
+    assert not gguf_native.auto_runs_as_stored(file)  # the fallback de-quantizes on every call
     monkeypatch.setattr(native, "unavailable", lambda: None)
     monkeypatch.setattr(native, "isa", lambda: "avx2")
-    assert gguf_native.runs_fast(file)
+    assert gguf_native.auto_runs_as_stored(file)
 
 
 @needs_kernel
 def test_auto_leaves_a_fast_type_to_int8_on_the_scalar_build(tiny_gguf, monkeypatch):
     """README: the scalar build runs `auto` at int8; the repacked 4-bit kernel is not fast there."""
-    monkeypatch.setattr(gguf_native, "FAST_TYPES", frozenset({0, 8}))  # F32 and Q8_0
     monkeypatch.setenv("SPECDEC_ISA", "scalar")
-    assert not gguf_native.runs_fast(read_gguf(tiny_gguf))
+    assert not gguf_native.auto_runs_as_stored(read_gguf(tiny_gguf))
     loaded = load_model(str(tiny_gguf), device="cpu", precision="auto")
     assert loaded.precision == "int8" and loaded.fidelity.startswith("re-quantized: int8 from")
 
@@ -174,12 +172,11 @@ def test_generate_json_reports_the_fidelity(capsys, tiny_gguf):
 
 
 def stored_types(model: torch.nn.Module) -> set[str]:
-    """The block types the model's linears compute with: the GGUF linears' own, and Q4_K and Q6_K
-    where they run repacked as int4_cpu's modules (layouts K4, K6)."""
-    repacked = {K4: "Q4_K", K6: "Q6_K"}
-    return {m.qtype.name for m in model.modules() if isinstance(m, GGUFLinear)} | {
-        repacked[m.bits] for m in model.modules() if isinstance(m, Int4Linear) and m.bits in repacked
-    }
+    """The block types the model's linears compute with: the GGUF linears' own, and where they run
+    repacked as int4_cpu's modules, the types of that layout (K4, K6; 4 and 6 for the 32-weight types)."""
+    repacked = {K4: {"Q4_K"}, K6: {"Q6_K"}, 4: {"Q4_0", "Q4_1"}, 6: {"Q5_0", "Q5_1"}}
+    names = {m.qtype.name for m in model.modules() if isinstance(m, GGUFLinear)}
+    return names.union(*(repacked[m.bits] for m in model.modules() if isinstance(m, Int4Linear)))
 
 
 @needs_kernel

@@ -1,5 +1,5 @@
-"""Q4_K and Q6_K repacked for our int4 kernel (GGUFLinear's "i8" mode: gguf_cpu.c's gguf_repack,
-int4_cpu.c's int4_linear_repacked): the file's weights exactly (the gguf package's dequantized
+"""Q4_K, Q6_K and the 32-weight types repacked for our int4 kernel (GGUFLinear's "i8" mode: gguf_cpu.c's
+gguf_repack into K4/K6, gguf_plain.py into the int4 path's layouts 4 and 6): the file's weights exactly (the gguf package's dequantized
 matrix) times rows quantized to int8 per 32 inputs, up to the order of the float sums; bitwise
 the same for a row in any batch, at any thread count, in any build."""
 
@@ -15,7 +15,7 @@ from rowwise import assert_rows_bitwise_the_same
 from specdec_core.kernels.cpu import features, huge_pages, native
 from specdec_core.kernels.cpu.gguf_blocks import I8, REPACKED_BITS, GGUFLinear
 from specdec_core.kernels.cpu.huge_pages import HUGE_PAGE, place_in_huge_pages
-from specdec_core.kernels.cpu.int4_cpu import K_SCALES
+from specdec_core.kernels.cpu.int4_cpu import K_SCALES, unpack
 from tests.test_gguf_blocks import _stored_blocks
 from tests.test_gguf_int import _integer_weights
 
@@ -45,9 +45,13 @@ def _int8_rows(x: np.ndarray) -> np.ndarray:
 
 
 def _term_magnitudes(linear: GGUFLinear) -> np.ndarray:
-    """|each term the kernel sums| per weight: |scale * q| + |minimum| for Q4_K (the two are
-    summed apart), |w| for Q6_K (its q - 32 is formed exactly before any rounding)."""
+    """|each term the kernel sums| per weight: |scale * q| + |minimum| for Q4_K and the 32-weight
+    types (the two are summed apart), |w| for Q6_K (its q - 32 is formed exactly before any rounding)."""
     stored = linear.blocks.reshape(linear.out_features, -1)
+    int4 = linear.as_int4()
+    if int4 is not None and not int4.bits & K_SCALES:
+        q, scale, minimum = (t.double().numpy() for t in unpack(int4.packed, linear.out_features))
+        return np.abs(np.repeat(scale, 32, -1) * q) + np.repeat(np.abs(minimum), 32, -1)
     if linear.qtype == Q.Q6_K:
         return np.abs(gguf_quants.dequantize(stored, linear.qtype).astype(np.float64))
     w = _integer_weights(linear.qtype, stored)
@@ -127,7 +131,7 @@ def test_the_repacked_mode_says_what_it_does_and_keeps_the_files_blocks() -> Non
 
 
 def test_the_repacked_mode_elsewhere_is_refused_in_one_line(monkeypatch) -> None:
-    with pytest.raises(ValueError, match="cannot run on Q5_K here: only Q4_K, Q6_K repack"):
+    with pytest.raises(ValueError, match="cannot run on Q5_K here: only Q4_K, Q6_K, Q4_0, Q4_1, Q5_0, Q5_1 repack"):
         GGUFLinear(Q.Q5_K, _stored_blocks(Q.Q5_K, 2, 256), 256, 2, activations=I8)
     monkeypatch.setattr(native, "unavailable", lambda: "no C compiler (cc, gcc)")
     with pytest.raises(ValueError, match="cannot run on Q4_K here: no C compiler"):
@@ -185,8 +189,20 @@ def test_repacked_weights_moved_into_huge_pages_give_bitwise_the_same_rows(qtype
 def test_as_int4_is_the_same_linear_with_the_files_weights(qtype: GGMLQuantizationType) -> None:
     linear = _linear(qtype, out_features=48)
     int4 = linear.as_int4()
-    assert int4 is not None and int4.bits & K_SCALES
+    assert int4 is not None and int4.bits == REPACKED_BITS[qtype]
     x = torch.randn(7, linear.in_features, generator=torch.Generator().manual_seed(5))
     assert torch.equal(int4(x), linear(x))
     stored = _stored_blocks(qtype, 48, 512, 0).reshape(48, -1)
     assert np.array_equal(int4.dense_weight().numpy(), gguf_quants.dequantize(stored, qtype))
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q5_0], ids=lambda qtype: qtype.name)
+def test_a_scale_whose_minimum_fp16_cannot_hold_keeps_the_blocks_own_kernel(qtype: GGMLQuantizationType) -> None:
+    blocks = _stored_blocks(qtype, 16, 512, 0).reshape(16, -1).copy()
+    blocks[3, 0:2] = np.array([60000.0], dtype=np.float16).view(np.uint8)  # d * -8 overflows fp16
+    linear = GGUFLinear(qtype, blocks.reshape(-1), 512, 16, activations=I8)
+    assert linear.activations == "f32" and linear.packed is None and linear.as_int4() is None
+    x = torch.randn(2, 512, generator=torch.Generator().manual_seed(1))
+    weight = gguf_quants.dequantize(blocks, qtype)
+    assert torch.allclose(linear(x).double(), x.double() @ torch.from_numpy(weight).double().T, rtol=1e-4, atol=1e-2)

@@ -42,7 +42,7 @@ from ..kernels.cpu.gguf_blocks import (
     block_type,
     repacks,
 )
-from ..kernels.cpu.int4_cpu import K_SCALES, Int4Linear
+from ..kernels.cpu.int4_cpu import Int4Linear
 from .gguf_file import GGUFFile
 from .gguf_rope import FULL, read_rope, set_rotation
 from .gguf_to_hf import MODEL_TYPES
@@ -52,8 +52,8 @@ ARCHITECTURES = tuple(MODEL_TYPES)  # the families whose config the header gives
 # The block types whose kernels read a step's weights at about the pace of the re-quantized
 # int4 path: `auto` runs a file as stored only when all its quantized tensors are of these
 # (docs/models.md#fidelity); `--precision gguf` runs any supported type.
-Q4_K, Q6_K = 12, 14
-FAST_TYPES: frozenset[int] = frozenset({F32, Q4_K, Q6_K})
+Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K = 2, 3, 6, 7, 12, 14
+FAST_TYPES: frozenset[int] = frozenset({F32, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K})
 # A layer's GGUF tensors (after "blk.N.") and the modules of transformers' decoder layer that
 # hold them: a Llama's and a Qwen2's (hf_blocks.py writes these), then each family's own.
 LAYER_TENSORS = {
@@ -154,12 +154,14 @@ def refusal(file: GGUFFile) -> str | None:
     return None
 
 
-def runs_fast(file: GGUFFile) -> bool:
-    """Every tensor of a type in FAST_TYPES, and any quantized ones run by a vector build of the
-    kernels: not by the fallback (torch's matmul over de-quantized weights), nor by the scalar build,
-    where `auto` takes int8 (README's precisions; loading.resolve_precision)."""
+def auto_runs_as_stored(file: GGUFFile) -> bool:
+    """Whether `auto` runs a target from `file` as stored: wherever a vector build of the kernels
+    runs its quantized tensors, whatever their types (the user's weights come first; a type outside
+    FAST_TYPES is slower than our int4 path, never further from the file). Not where the fallback
+    would (torch's matmul over de-quantized weights), nor on the scalar build, where `auto` takes
+    int8 (README's precisions; loading.resolve_precision)."""
     quantized = {info.qtype for info in file.tensors.values()} - {F32}
-    return quantized <= FAST_TYPES and (not quantized or native.vector_build())
+    return not quantized or native.vector_build()
 
 
 def fidelity(file: GGUFFile, model: nn.Module) -> str:
@@ -171,7 +173,7 @@ def kernel_notes(model: nn.Module) -> str:
     """What the kernels do beside the stored weights, for a fidelity label: ", activations int8
     per 32 inputs", linears that fall back; "" when nothing."""
     linears = [m for m in model.modules() if isinstance(m, GGUFLinear)]
-    repacked = any(isinstance(m, Int4Linear) and m.bits & K_SCALES for m in model.modules())
+    repacked = any(isinstance(m, Int4Linear) for m in model.modules())  # as stored, only repacked blocks are
     notes = ", activations int8 per 32 inputs" if repacked or any(m.activations == I8 for m in linears) else ""
     fallbacks = [m for m in linears if m.path == FALLBACK]
     return notes + (f", {len(fallbacks)} linears {FALLBACK_NOTE} ({fallbacks[0].fallback_reason})" if fallbacks else "")

@@ -168,7 +168,7 @@ def load_model(
     if (precision == AS_STORED or precision in hf_blocks.MIXES) and not as_stored:
         precision = "auto"  # a draft: the fastest of the CPU's own precisions
     if file is not None:
-        stored = precision == AS_STORED or (precision == "auto" and as_stored and gguf_native.runs_fast(file))
+        stored = precision == AS_STORED or (precision == "auto" and as_stored and gguf_native.auto_runs_as_stored(file))
         return _load_from_file(ref, file, AS_STORED if stored else precision, trust_remote_code,
                                progress=progress, cancel=cancel, probe=as_stored)  # fmt: skip
     path = resolve_path(ref, progress=progress, cancel=cancel)

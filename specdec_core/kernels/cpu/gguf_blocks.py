@@ -23,10 +23,12 @@ says which of the two runs, for the fidelity label (`FALLBACK_NOTE`).
 Activations (`GGUFLinear.activations`): with `"f32"`, the default, x is not quantized at all:
 the answer carries the file's rounding and no other. (llama.cpp rounds x to Q8 blocks, one
 scale per 32 or 256 inputs; that adds a rounding the file does not hold, so it is not offered.)
-With `"i8"` (Q4_K and Q6_K only) the blocks are repacked once, as the linear is made, into the
-layout of our int4 kernel (int4_cpu.c, via gguf_cpu.c's gguf_repack): every q value, scale
-and fp16 d moved unchanged, and the kernel forms each scale as the dequantization does (d * sc,
-exact in fp32), so the weights are still the file's, bit for bit. The rows are quantized as int4_cpu.c quantizes
+With `"i8"` (Q4_K, Q6_K, Q4_0, Q4_1, Q5_0, Q5_1: `REPACKED_BITS`) the blocks are repacked once,
+as the linear is made, into a layout of our int4 kernel (int4_cpu.c): the K-quants via
+gguf_cpu.c's gguf_repack, every q value, scale and fp16 d moved unchanged, the kernel forming
+each scale as the dequantization does (d * sc, exact in fp32); the 32-weight types into the
+int4 path's own layouts (gguf_plain.py), d and m as its fp16 scale and minimum. Either way the
+weights are still the file's, bit for bit. The rows are quantized as int4_cpu.c quantizes
 them: int8 with one scale per 32 inputs (max |x| / 127), finer than llama.cpp's Q8_K (one per
 256). That runs at the int4 kernel's pace, at the cost of the repacked copy in memory (about
 the tensor's own size, 1-3% more; the file's pages then go unread and the system may drop them).
@@ -52,8 +54,8 @@ from gguf import quants as gguf_quants
 from torch import nn
 
 from ..batch_invariant import in_fixed_rows
-from . import native
-from .int4_cpu import K_SCALES, LANES, Int4Linear
+from . import gguf_plain, native
+from .int4_cpu import GROUP, K4, K6, K_SCALES, LANES, Int4Linear, block_bytes
 
 SUPPORTED = (
     GGMLQuantizationType.F32,
@@ -76,8 +78,10 @@ FALLBACK_NOTE = "de-quantized into torch, fp32 activations"
 _KEEP_FREE = 0.25
 F32 = "f32"  # rows as they are, fp32
 I8 = "i8"  # rows quantized to int8 per 32 inputs, the blocks repacked for int4_cpu.c's kernel
-# The block types "i8" runs, and the q bits of each one's repacked layout.
-REPACKED_BITS = {GGMLQuantizationType.Q4_K: 4, GGMLQuantizationType.Q6_K: 6}
+# The block types "i8" runs, and the int4_cpu.c layout each is repacked into: the K-quants
+# into K4 and K6 (gguf_cpu.c's gguf_repack), the 32-weight types into the int4 path's own
+# layouts 4 and 6 (gguf_plain.py). Either way the weights are the file's values exactly.
+REPACKED_BITS = {GGMLQuantizationType.Q4_K: K4, GGMLQuantizationType.Q6_K: K6, **gguf_plain.LAYOUT_BITS}
 
 
 class UnsupportedBlockType(ValueError):
@@ -110,7 +114,7 @@ def kernels_run() -> bool:
 
 
 def repacks(qtype: int) -> bool:
-    """Whether `activations="i8"` runs a tensor of this type here (Q4_K, Q6_K; the kernels built)."""
+    """Whether `activations="i8"` runs a tensor of this type here (`REPACKED_BITS`; the kernels built)."""
     return qtype in REPACKED_BITS and kernels_run()
 
 
@@ -136,8 +140,6 @@ def _typed(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.gguf_repack.restype = c_int
     lib.gguf_repacked_bytes.argtypes = [c_int, size, size]
     lib.gguf_repacked_bytes.restype = size
-    lib.int4_linear_repacked.argtypes = [pointer, size, size, pointer, size, pointer, pointer, c_int, c_int]
-    lib.int4_linear_repacked.restype = c_int
     return lib
 
 
@@ -190,11 +192,19 @@ class GGUFLinear(nn.Module):
         self.fallback_reason = native.unavailable()  # None: the C kernel runs
         self.path = NATIVE if self.fallback_reason is None else FALLBACK
         self.activations = self._activations(activations)
-        self.packed: np.ndarray | None = self._repack() if self.activations == I8 else None
+        self.packed: np.ndarray | None = None
+        if self.activations == I8:
+            try:
+                self.packed = self._repack()
+            except ValueError:  # a value the layout cannot hold: the blocks' own kernel runs them
+                self.activations = F32
         self._dense: torch.Tensor | None = None  # the fallback's de-quantized weights, where kept
 
     def _repack(self) -> np.ndarray:
         """The blocks in int4_cpu.c's layout for this type (a copy in memory; the same values)."""
+        weakref.finalize(self, native.settle_helper)
+        if self.qtype in gguf_plain.LAYOUT_BITS:
+            return gguf_plain.repack(self.qtype, self.blocks, self.out_features, self.in_features).numpy().reshape(-1)
         lib = kernel()
         size = lib.gguf_repacked_bytes(int(self.qtype), self.out_features, self.in_features)
         packed = np.empty(size, dtype=np.uint8)
@@ -204,9 +214,6 @@ class GGUFLinear(nn.Module):
         )  # fmt: skip
         if status != 0:
             raise ValueError(f"gguf_cpu.c cannot repack a {self.qtype.name} tensor of {self.in_features} inputs")
-        # With one thread the kernel's helper (helper_cpu.c) may still read an op's weights and
-        # bias after it returns: the linear waits for it before they can be freed.
-        weakref.finalize(self, native.settle_helper)
         return packed
 
     def __setstate__(self, state: dict[str, Any]) -> None:  # a copy (deepcopy, pickle) is freed the same way
@@ -267,16 +274,9 @@ class GGUFLinear(nn.Module):
         return y
 
     def _repacked(self, rows: torch.Tensor) -> torch.Tensor:
-        assert self.packed is not None
-        y = torch.empty(rows.shape[0], self.out_features)
-        status = kernel().int4_linear_repacked(
-            self.packed.ctypes.data, self.out_features, self.in_features, rows.data_ptr(), rows.shape[0],
-            None if self.bias is None else self.bias.data_ptr(), y.data_ptr(), torch.get_num_threads(),
-            REPACKED_BITS[self.qtype],
-        )  # fmt: skip
-        if status != 0:
-            raise MemoryError(f"no memory to quantize {rows.shape[0]} rows of {self.in_features} inputs")
-        return y
+        int4 = self.as_int4()
+        assert int4 is not None
+        return int4.matmul(rows, self.out_features)
 
     def _fallback(self, rows: torch.Tensor) -> torch.Tensor:
         """Chunks of a fixed row count, so torch's matmul sees one shape whatever the batch
@@ -309,14 +309,13 @@ class GGUFLinear(nn.Module):
         return torch.from_numpy(values if values.flags.writeable else values.copy())
 
     def as_int4(self) -> Int4Linear | None:
-        """This linear as int4_cpu's module over the same repacked bytes (layout K4 or K6): the same
-        kernel call, so the same numbers, and the int4 path's fusion and one-call layers take it.
-        None where it is not repacked."""
+        """This linear as int4_cpu's module over the same repacked bytes (layout K4, K6, 4 or 6):
+        the int4 path's fusion and one-call layers take it. None where it is not repacked."""
         if self.packed is None:
             return None
-        blocks = -(-self.out_features // LANES)
-        packed = torch.from_numpy(self.packed).view(blocks, -1)
-        bits = REPACKED_BITS[self.qtype] | K_SCALES
+        blocks, bits = -(-self.out_features // LANES), REPACKED_BITS[self.qtype]
+        shape = (blocks, -1) if bits & K_SCALES else (blocks, self.in_features // GROUP, block_bytes(bits))
+        packed = torch.from_numpy(self.packed).view(*shape)
         return Int4Linear(packed, self.out_features, self.bias, bits=bits, in_features=self.in_features)
 
     def extra_repr(self) -> str:
