@@ -12,7 +12,8 @@ One small interface (after transformers' candidate generators), `DraftStrategy`:
 `NoDrafter` proposes nothing (speculation off, measured through the same engine),
 `NgramDrafter` looks the recent suffix up in the text so far (prompt lookup),
 `ModelDrafter` runs a small LM with its own KV cache,
-`LookupThenModelDrafter` (policy.py) picks per step between the two, by expected
+`LookupThenModelDrafter` (policy.py) picks per step between copies (`NgramDrafter` or
+`suffix_drafter.SuffixDrafter`, any `Lookup`) and the model, by expected
 tokens per second. The engine never looks inside a strategy. (Just over 400 lines:
 the four strategies share one interface and read best side by side.)
 """

@@ -1,4 +1,5 @@
-"""Which source drafts the next step: prompt lookup, the draft model, both, or neither.
+"""Which source drafts the next step: copies (prompt lookup or the suffix index), the
+draft model, both, or neither.
 
 Per step, each option's expected tokens per second (after `adaptive`) is
 
@@ -14,7 +15,9 @@ acceptance; t_draft is a one-token draft forward and t_first what the model's fi
 forward typically costs on top (it also reads the tokens the draft has not seen yet;
 `adaptive.CostModel`). Lookup acceptance is kept per match length n (a 4-token match
 predicts better than a 2-token one); a length not seen yet starts from how the first
-copies of the others have done. The best option wins, with no rule that lookup goes
+copies of the others have done. A copied run may be longer than a model draft
+(`max_copy` against `max_k`): copying is free, and only where copies keep being
+accepted does its expected rate pay the wider verify. The best option wins, with no rule that lookup goes
 first, so an excellent draft model is never pre-empted by worse copies
 (docs/engine.md#drafters).
 
