@@ -18,6 +18,9 @@ Contract:
   `OutOfMemory`, raised after the caches were reset, so the session stays usable.
   Anything unexpected is `InternalError` (exit code 1) with the cause chained.
 - `speculation_enabled` may be set from another thread; the engine reads it every step.
+- `remember(conversations)` gives the drafter past conversations to copy from (the
+  suffix index's library, docs/engine.md#drafters); it stays across answers and drafter
+  swaps until replaced, and changes only speed.
 - A target that is a server address (`http://127.0.0.1:8080/v1`) is a served engine
   (`served/`): the same calls and events, answered by that server; `info.server` says
   what it reports, and `check_server_exactness` compares its answers with speculation on
@@ -30,7 +33,7 @@ import dataclasses
 import logging
 import math
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +44,7 @@ from .engine.drafters import NGRAM
 from .engine.events import DoneEvent, Event
 from .engine.selfcheck import ExactnessReport, check_exactness
 from .engine.speculative import MAX_DRAFT_LENGTH, GenerationParams, SpeculativeEngine
+from .engine.suffix_drafter import set_library
 from .errors import (
     ContextTooLong,
     IncompatibleDraftError,
@@ -109,6 +113,7 @@ class ChatSession:
         self._local_server: LocalLlamaServer | None = None
         self._spec: LoadSpec | None = None
         self._speculation = True
+        self._library: list[list[int]] = []  # past conversations' tokens, for the drafter's copies
         self.info: SessionInfo | None = None
 
     # -- state ---------------------------------------------------------------------------
@@ -167,6 +172,7 @@ class ChatSession:
                 drafter, draft_model = load_draft(draft, target)
             engine = make_engine(target, drafter)
             engine.speculation_enabled = self._speculation
+            set_library(drafter, self._library)
             check_cancelled(cancel)
             exactness = self._check_exactness(engine, progress)
         # Only a load that got this far is kept: on any failure above, nothing is loaded.
@@ -252,9 +258,22 @@ class ChatSession:
             )
             pair.engine.set_drafter(drafter)
             pair.draft = draft_model
+            set_library(drafter, self._library)
         assert self.info is not None
         self.info = self._describe(spec, "", self.info.exactness)
         return self.info
+
+    def remember(self, conversations: Iterable[Sequence[Message]], *, system: str | None = None) -> int:
+        """Let the drafter copy from past conversations, each rendered with the chat template
+        as an answer's prompt is; replaces what was remembered before. Returns the tokens
+        the drafter's library holds: 0 where it keeps none (n-gram, none, a served engine),
+        fewer than given past its memory bound."""
+        pair = self._require() if self._served is None else None
+        if pair is None:
+            return 0
+        with _one_line_errors("preparing the library"):
+            self._library = [encode_chat(pair.target.tokenizer, list(c), system) for c in conversations]
+        return set_library(pair.engine.drafter, self._library)
 
     def rate_drafts(self, refs: Sequence[str]) -> dict[str, Compatibility]:
         """Whether each candidate draft fits the loaded target, with a reason, without loading
@@ -471,6 +490,9 @@ def check_params(params: GenerationParams) -> None:
         ("top_k", params.top_k, _is_int(params.top_k) and params.top_k >= 0, "a whole number ≥ 0 (0 = off)"),
         ("max_draft_length", params.max_draft_length,
          _is_int(params.max_draft_length) and 0 <= params.max_draft_length <= MAX_DRAFT_LENGTH,
+         f"a whole number from 0 to {MAX_DRAFT_LENGTH} (the widest verify the self-check compares)"),
+        ("max_copy_length", params.max_copy_length,
+         _is_int(params.max_copy_length) and 0 <= params.max_copy_length <= MAX_DRAFT_LENGTH,
          f"a whole number from 0 to {MAX_DRAFT_LENGTH} (the widest verify the self-check compares)"),
         ("draft_length", params.draft_length, params.draft_length is None
          or (_is_int(params.draft_length) and 0 <= params.draft_length <= params.max_draft_length),

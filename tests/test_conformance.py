@@ -19,6 +19,7 @@ from specdec_core.engine.drafters import LookupThenModelDrafter, ModelDrafter, N
 from specdec_core.engine.events import ReadingEvent
 from specdec_core.engine.selfcheck import check_exactness
 from specdec_core.engine.speculative import GenerationParams, SpeculativeEngine
+from specdec_core.engine.suffix_drafter import SuffixDrafter
 from specdec_core.kernels.cpu import native
 from specdec_core.kernels.cpu.int4_cpu import Int4Linear
 from specdec_core.kernels.cpu.quant_cpu import int8_available
@@ -50,6 +51,8 @@ def drafters(draft_model) -> dict[str, object]:
         "model": ModelDrafter(draft_model, "draft"),
         "ngram": NgramDrafter(),
         "lookup+model": LookupThenModelDrafter(ModelDrafter(draft_model, "draft")),
+        "suffix": SuffixDrafter(),
+        "suffix+model": LookupThenModelDrafter(ModelDrafter(draft_model, "draft"), SuffixDrafter(min_match=2)),
     }
 
 

@@ -106,6 +106,16 @@ def test_a_match_past_draft_tokens_copies_committed_text_and_indexes_nothing_new
     assert lookup._last_end == index and lookup._tokens == committed
 
 
+def test_copies_that_keep_being_accepted_run_past_the_model_draft_length():
+    policy = SourcePolicy(CostModel(verify=dict(CPU_VERIFY)), max_k=8, max_copy=15)
+    for _ in range(6):
+        policy.lookup(16).observe(15, 15)
+        policy.model.observe(8, 8)
+    assert policy.choose(15, 16, 15, t_draft=0.05).lookup_tokens > 8
+    assert policy.choose(15, 16, 0, t_draft=0.05).model_tokens <= 8  # no copies: the model's limit
+    assert all(c.model_tokens <= 8 for _, c in policy.options(15, 16, 3, t_draft=0.05))
+
+
 def test_lookup_acceptance_is_kept_per_match_length():
     policy = policy_with(model_runs=[(4, 1)] * 30, lookup_runs=[(4, 4)] * 30, match_n=4)
     for _ in range(30):

@@ -19,6 +19,7 @@ from specdec_core.engine.acceptance import accept_sampled
 from specdec_core.engine.drafters import ModelDrafter, NgramDrafter
 from specdec_core.engine.sampling import SamplingParams, sample
 from specdec_core.engine.speculative import GenerationParams, SpeculativeEngine
+from specdec_core.engine.suffix_drafter import SuffixDrafter
 
 VOCAB = 12
 SAMPLES = 1500  # engine runs per statistical test: ~20 s on 2 cores
@@ -139,6 +140,25 @@ def test_ngram_drafter_keeps_the_target_distribution():
     for seed in range(SAMPLES):
         gp = GenerationParams(max_new_tokens=1, temperature=1.0, seed=seed, draft_length=3)
         firsts.append(list(engine.generate(prompt, gp))[-1].token_ids[0])
+    assert chi_square_pvalue(firsts, p1) > 1e-3
+
+
+def test_suffix_drafter_keeps_the_target_distribution():
+    """A deterministic draft (q one-hot on each copied token), as for prompt lookup."""
+    target = tiny_model(VOCAB, seed=3, layers=1, hidden=32)
+    engine = SpeculativeEngine(target, tiny_vocab_tokenizer(), SuffixDrafter())
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]  # the suffix drafter will propose "3"
+    params = SamplingParams(temperature=1.0)
+    with torch.no_grad():
+        p1 = params.probs(target(torch.tensor([prompt])).logits[0, -1]).numpy()
+    firsts, drafted = [], 0
+    for seed in range(SAMPLES):
+        # Two new tokens: the first verify checks one copied token.
+        gp = GenerationParams(max_new_tokens=2, temperature=1.0, seed=seed, draft_length=1)
+        done = list(engine.generate(prompt, gp))[-1]
+        firsts.append(done.token_ids[0])
+        drafted += done.stats.proposed
+    assert drafted > 0  # the copies were really verified
     assert chi_square_pvalue(firsts, p1) > 1e-3
 
 

@@ -12,6 +12,7 @@ from tiny import hf_greedy, perturbed, tiny_model, tiny_tokenizer
 from specdec_core import session as session_module
 from specdec_core.engine.events import DoneEvent, TokenEvent
 from specdec_core.engine.speculative import GenerationParams
+from specdec_core.engine.suffix_drafter import library_of
 from specdec_core.errors import (
     ContextTooLong,
     IncompatibleDraftError,
@@ -230,3 +231,23 @@ def test_parameters_out_of_range_are_refused_naming_the_range(field, value, allo
     with pytest.raises(InvalidParameter, match=field) as err:
         check_params(dataclasses.replace(GenerationParams(), **{field: value}))
     assert allowed in str(err.value)
+
+
+def test_remembered_conversations_reach_the_drafters_library_and_survive_a_draft_swap(tiny_folder, sibling_folder):
+    session = ChatSession()
+    session.load(LoadSpec(target=str(tiny_folder), draft=str(sibling_folder), device="cpu", precision="fp32"))
+    past = [[Message("user", "Write a loop."), Message("assistant", "for i in range(3):\n    print(i)")]]
+    held = session.remember(past)
+    assert held > 10
+    session.swap_draft("suffix")
+    suffix = library_of(session.engine.drafter)
+    assert suffix is not None and suffix.library.tokens == held  # the new drafter got it
+    session.swap_draft("ngram")  # prompt lookup keeps no library
+    assert session.remember(past) == 0
+    _, done = answer(session)  # still answers, exactly as before
+    assert done.token_ids
+
+
+def test_max_copy_length_is_checked_like_max_draft_length():
+    with pytest.raises(InvalidParameter, match="max_copy_length"):
+        check_params(GenerationParams(max_copy_length=16))

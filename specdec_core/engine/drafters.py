@@ -12,7 +12,8 @@ One small interface (after transformers' candidate generators), `DraftStrategy`:
 `NoDrafter` proposes nothing (speculation off, measured through the same engine),
 `NgramDrafter` looks the recent suffix up in the text so far (prompt lookup),
 `ModelDrafter` runs a small LM with its own KV cache,
-`LookupThenModelDrafter` (policy.py) picks per step between the two, by expected
+`LookupThenModelDrafter` (policy.py) picks per step between copies (`NgramDrafter` or
+`suffix_drafter.SuffixDrafter`, any `Lookup`) and the model, by expected
 tokens per second. The engine never looks inside a strategy. (Just over 400 lines:
 the four strategies share one interface and read best side by side.)
 """
@@ -38,8 +39,9 @@ from .sampling import SamplingParams, sample
 
 # Draft specs that need no model (the DraftSpec parser and the UI use these names).
 NGRAM = "ngram"
+SUFFIX = "suffix"
 NONE = "none"
-MODEL_FREE_DRAFTS = (NGRAM, NONE)
+MODEL_FREE_DRAFTS = (NGRAM, SUFFIX, NONE)
 
 
 class DraftSource(str, Enum):
@@ -79,6 +81,14 @@ class DraftPlan:
     costs: CostModel
     max_k: int = 8
     pinned: int | None = None  # a fixed k, or None to choose per step
+    # Copies cost nothing to draft, only the verify's width: a copied draft may run this
+    # long (0: max_k) where its tokens keep being accepted.
+    max_copy: int = 0
+
+    @property
+    def copy_limit(self) -> int:
+        """The longest copied draft; none where drafting is off (max_k 0)."""
+        return max(self.max_k, self.max_copy) if self.max_k > 0 else 0
 
 
 class DraftStrategy(Protocol):
@@ -102,6 +112,25 @@ class DraftStrategy(Protocol):
 
 
 Drafter = DraftStrategy  # the name the rest of the code base has used
+
+
+class Lookup(Protocol):
+    """A model-free source of copies from the text so far (`NgramDrafter`, `SuffixDrafter`)."""
+
+    name: str
+
+    def match(self, tokens: Sequence[int], k: int) -> tuple[list[int], int]:
+        """Up to k tokens to copy after `tokens`, and the key their acceptance is kept under
+        (the length of the match they came from)."""
+        ...
+
+    def match_after(self, tokens: Sequence[int], extra: Sequence[int], k: int) -> tuple[list[int], int]:
+        """`match` for `tokens` then `extra`, draft tokens that are matched, never indexed."""
+        ...
+
+    def sync(self, tokens: Sequence[int]) -> None: ...
+
+    def reset(self) -> None: ...
 
 
 class NoDrafter:
@@ -450,7 +479,8 @@ def one_hot_rows(tokens: Sequence[int], vocab_size: int) -> torch.Tensor:
 
 
 class LookupThenModelDrafter:
-    """Prompt lookup and a draft model, chosen per step by expected tokens per second.
+    """Copies (prompt lookup or the suffix index) and a draft model, chosen per step by
+    expected tokens per second.
 
     A lookup draft costs microseconds, a model draft one forward per token (on this
     CPU half a target step, see docs/performance.md). `policy.SourcePolicy` weighs
@@ -459,10 +489,10 @@ class LookupThenModelDrafter:
     Lookup needs a match of at least 2 tokens: a 1-token match is mostly chance.
     """
 
-    def __init__(self, model: ModelDrafter, lookup: NgramDrafter | None = None) -> None:
+    def __init__(self, model: ModelDrafter, lookup: Lookup | None = None) -> None:
         self.model = model
-        self.lookup_drafter = lookup or NgramDrafter(max_ngram=4, min_ngram=2)
-        self.name = f"{NGRAM}+{model.name}"
+        self.lookup_drafter: Lookup = lookup or NgramDrafter(max_ngram=4, min_ngram=2)
+        self.name = f"{self.lookup_drafter.name}+{model.name}"
         self.policy = SourcePolicy(CostModel())
         self._step = _Step(PLAIN, 0, [])
 
@@ -472,7 +502,7 @@ class LookupThenModelDrafter:
 
     def start(self, plan: DraftPlan) -> None:
         self.model.start(plan)
-        policy = SourcePolicy(plan.costs, max_k=plan.max_k, pinned=plan.pinned)
+        policy = SourcePolicy(plan.costs, max_k=plan.max_k, pinned=plan.pinned, max_copy=plan.copy_limit)
         policy.carry_from(self.policy)
         self.policy = policy
 

@@ -1,4 +1,5 @@
-"""Which source drafts the next step: prompt lookup, the draft model, both, or neither.
+"""Which source drafts the next step: copies (prompt lookup or the suffix index), the
+draft model, both, or neither.
 
 Per step, each option's expected tokens per second (after `adaptive`) is
 
@@ -14,7 +15,9 @@ acceptance; t_draft is a one-token draft forward and t_first what the model's fi
 forward typically costs on top (it also reads the tokens the draft has not seen yet;
 `adaptive.CostModel`). Lookup acceptance is kept per match length n (a 4-token match
 predicts better than a 2-token one); a length not seen yet starts from how the first
-copies of the others have done. The best option wins, with no rule that lookup goes
+copies of the others have done. A copied run may be longer than a model draft
+(`max_copy` against `max_k`): copying is free, and only where copies keep being
+accepted does its expected rate pay the wider verify. The best option wins, with no rule that lookup goes
 first, so an excellent draft model is never pre-empted by worse copies
 (docs/engine.md#drafters).
 
@@ -62,10 +65,18 @@ class SourcePolicy:
     """Chooses and learns, per generation, between lookup and model drafts."""
 
     def __init__(
-        self, costs: CostModel, max_k: int = 8, pinned: int | None = None, probe_every: int = 16
+        self,
+        costs: CostModel,
+        max_k: int = 8,
+        pinned: int | None = None,
+        probe_every: int = 16,
+        max_copy: int = 0,
     ) -> None:
         self.costs = costs
-        self.max_k = max_k
+        self.max_k = max_k  # the longest model draft
+        # The longest draft of copies (0: max_k). Copies cost nothing to draft, only the
+        # verify's width, so where they keep being accepted they may run longer.
+        self.max_copy = max(max_k, max_copy)
         self.pinned = pinned
         self.model = AcceptanceEstimate(max_k)
         self._lookup: dict[int, AcceptanceEstimate] = {}
@@ -77,12 +88,13 @@ class SourcePolicy:
         """Keep what an earlier generation learned about each source's acceptance."""
         if previous.max_k == self.max_k:  # as a prior a few new verdicts can outvote
             self.model = previous.model.softened()
+        if previous.max_copy == self.max_copy:
             self._lookup = {n: estimate.softened() for n, estimate in previous._lookup.items()}
 
     def lookup(self, n: int) -> AcceptanceEstimate:
         """The acceptance of copies after a match of n tokens."""
         if n not in self._lookup:
-            self._lookup[n] = AcceptanceEstimate(self.max_k, prior=self._lookup_prior())
+            self._lookup[n] = AcceptanceEstimate(self.max_copy, prior=self._lookup_prior())
         return self._lookup[n]
 
     def _lookup_prior(self) -> float:
@@ -98,17 +110,19 @@ class SourcePolicy:
         return (hits + PRIOR * PRIOR_WEIGHT) / (trials + PRIOR_WEIGHT)
 
     def options(self, budget: int, match_n: int, found: int, t_draft: float) -> list[tuple[float, Choice]]:
-        """(expected tokens per second, choice) for every way to draft this step."""
+        """(expected tokens per second, choice) for every way to draft this step, in
+        `budget` tokens (model tokens up to max_k of them)."""
         verify = [self.costs.verify_seconds(m) or 0.0 for m in range(budget + 2)]
+        model_budget = min(budget, self.max_k)
 
         def rate(tokens: float, draft_seconds: float, drafted: int) -> float:
             seconds = draft_seconds + verify[drafted + 1]
             return tokens / seconds if seconds > 0 else 0.0
 
-        model = self.model.expected_curve(budget)
+        model = self.model.expected_curve(model_budget)
         out = [
             (rate(model[k], self.costs.draft_seconds(k, t_draft), k), Choice(0, k))
-            for k in range(1, budget + 1)
+            for k in range(1, model_budget + 1)
         ]
         if found <= 0:
             return out
@@ -117,7 +131,7 @@ class SourcePolicy:
         out += [(rate(copies[k], 0.0, k), Choice(k, 0)) for k in range(1, n_copied + 1)]
         # A copied run's survival is the step in its expected-tokens curve.
         reach = copies[n_copied] - copies[n_copied - 1]
-        for j in range(1, budget - n_copied + 1):
+        for j in range(1, min(budget - n_copied, model_budget) + 1):
             tokens = copies[n_copied] + reach * (model[j] - 1.0)
             out.append(
                 (rate(tokens, self.costs.draft_seconds(j, t_draft), n_copied + j), Choice(n_copied, j))
@@ -132,7 +146,7 @@ class SourcePolicy:
         return choice
 
     def _choose(self, budget: int, match_n: int, found: int, t_draft: float, greedy: bool) -> Choice:
-        budget = min(budget, self.max_k)
+        budget = min(budget, self.max_copy if found > 0 else self.max_k)
         if budget <= 0:
             return PLAIN
         if self.pinned is not None:
@@ -153,7 +167,8 @@ class SourcePolicy:
             return best
         if greedy:  # copies are scored anyway: probe the model, on the model's evidence
             best = Choice(0, _best_model_tokens(options))
-        could_pay = (found > 0 and not greedy) or perfect_draft_pays(self.costs, budget, t_draft)
+        model_budget = min(budget, self.max_k)
+        could_pay = (found > 0 and not greedy) or perfect_draft_pays(self.costs, model_budget, t_draft)
         if self.prober.plain_step(could_pay, self._evidence(best, match_n)) or self._untried(best, match_n):
             return self._probe(best, options)
         self.model.age()
@@ -227,7 +242,7 @@ class SourcePolicy:
         right after the first token of a paraphrase, where the model would otherwise draft
         on through the rest of it (docs/engine.md#drafters).
         """
-        budget = min(budget, self.max_k)
+        budget = min(budget, self.max_copy)
         head = step.lookup_tokens + drafted
         room = min(found, budget - head)
         measured = self.costs.verify_seconds(1) is not None

@@ -74,6 +74,14 @@ class GenerationParams:
     seed: int | None = None
     draft_length: int | None = None  # None = adaptive; an int pins k
     max_draft_length: int = 8
+    # Copied drafts cost nothing to draft, only the verify's width: they may run this long
+    # (the longer of the two; 0 drafting off still means plain steps).
+    max_copy_length: int = MAX_DRAFT_LENGTH
+
+    @property
+    def widest_draft(self) -> int:
+        """The most draft tokens one verify may carry."""
+        return max(self.max_draft_length, self.max_copy_length) if self.max_draft_length > 0 else 0
 
     @property
     def sampling(self) -> SamplingParams:
@@ -147,13 +155,18 @@ class SpeculativeEngine:
             generator = torch.Generator()
             generator.manual_seed(params.seed if params.seed is not None else int(time.time_ns() % 2**63))
         self.drafter.start(
-            DraftPlan(costs=self.costs, max_k=params.max_draft_length, pinned=params.draft_length)
+            DraftPlan(
+                costs=self.costs,
+                max_k=params.max_draft_length,
+                pinned=params.draft_length,
+                max_copy=params.max_copy_length,
+            )
         )
         tokens = list(prompt_ids)
         exactness = self.exactness
         run = StatsAccumulator(
             prompt_tokens=len(tokens),
-            max_draft_length=params.max_draft_length,
+            max_draft_length=params.widest_draft,
             exactness=exactness.label if exactness is not None else "unchecked",
             max_logit_diff=exactness.max_logit_diff if exactness is not None else None,
         )
@@ -235,7 +248,7 @@ class SpeculativeEngine:
     ) -> Draft:
         """The strategy's draft for this step, or none when speculation is off."""
         # The verify always adds one target token, so never draft past the budget.
-        budget = min(remaining - 1, params.max_draft_length)
+        budget = min(remaining - 1, params.widest_draft)
         if not self.speculation_enabled or budget <= 0:
             return EMPTY_DRAFT
         return self.drafter.draft(tokens, budget, params.sampling, generator)

@@ -1,7 +1,8 @@
 """A target and its drafter, loaded and checked together: what the session and the bench open.
 
 The draft is named by a `DraftSpec`, parsed once from what the user typed: a model
-reference, `ngram` (model-free prompt lookup) or `none` (speculation off).
+reference, `ngram` (model-free prompt lookup), `suffix` (model-free copies from the suffix
+index of the conversation and the user's library) or `none` (speculation off).
 A model draft must map tokens to ids exactly as the target does; that is judged on its
 tokenizer files (`compat.rate_draft`) before its weights are loaded, and refused with the reason.
 """
@@ -15,6 +16,7 @@ from pathlib import Path
 from ..engine.drafters import (
     NGRAM,
     NONE,
+    SUFFIX,
     Drafter,
     LookupThenModelDrafter,
     ModelDrafter,
@@ -22,6 +24,7 @@ from ..engine.drafters import (
     NoDrafter,
 )
 from ..engine.speculative import SpeculativeEngine
+from ..engine.suffix_drafter import SuffixDrafter
 from ..errors import IncompatibleDraftError, InvalidParameter
 from ..progress import ProgressCallback
 from .chat import stop_token_ids, template_token_ids
@@ -36,7 +39,7 @@ MODEL = "model"
 class DraftSpec:
     """What drafts for the target: a model (`ref`), prompt lookup, or nothing."""
 
-    kind: str  # MODEL | NGRAM | NONE
+    kind: str  # MODEL | NGRAM | SUFFIX | NONE
     ref: str = ""  # the model reference when kind == MODEL
 
     @classmethod
@@ -45,10 +48,12 @@ class DraftSpec:
             return text
         cleaned = text.strip()
         if not cleaned:
-            raise InvalidParameter("the draft is empty: give a model, 'ngram' or 'none'")
+            raise InvalidParameter("the draft is empty: give a model, 'ngram', 'suffix' or 'none'")
         lowered = cleaned.lower()
         if lowered in (NGRAM, "n-gram"):
             return cls(NGRAM)
+        if lowered == SUFFIX:
+            return cls(SUFFIX)
         if lowered == NONE:
             return cls(NONE)
         return cls(MODEL, cleaned)
@@ -61,8 +66,8 @@ class DraftSpec:
     def display_name(self) -> str:
         if self.kind == NGRAM:
             return "n-gram"
-        if self.kind == NONE:
-            return "none"
+        if self.kind in (SUFFIX, NONE):
+            return self.kind
         return Path(self.ref).name if Path(self.ref).expanduser().exists() else self.ref
 
     def __str__(self) -> str:
@@ -87,11 +92,18 @@ def make_drafter(spec: DraftSpec | str, target: LoadedModel, draft: LoadedModel 
         return NoDrafter()
     if spec.kind == NGRAM:
         return NgramDrafter()
+    if spec.kind == SUFFIX:
+        return SuffixDrafter()
     assert draft is not None
-    # Prompt lookup and the model, the best of them each step (free copies of the
-    # conversation where they pay): the fastest overall, exact either way
-    # (docs/performance.md#current-figures-by-cpu).
-    return LookupThenModelDrafter(ModelDrafter(draft.model, name=draft.name, vocab_size=target.vocab_size))
+    return auto_drafter(ModelDrafter(draft.model, name=draft.name, vocab_size=target.vocab_size))
+
+
+def auto_drafter(model: ModelDrafter) -> LookupThenModelDrafter:
+    """What a model draft means: copies from the suffix index and the model, the best of
+    them each step (free copies of the conversation and the library where they pay),
+    exact either way (docs/engine.md#drafters). A copy needs a match of 2 tokens or more:
+    what follows 1 token is mostly chance."""
+    return LookupThenModelDrafter(model, SuffixDrafter(min_match=2))
 
 
 def load_draft(

@@ -11,6 +11,7 @@ draws with the same temperature, top-k, top-p and seed, and texts are not compar
 - `ours-off`         our engine, speculation off (the same code path, no drafter);
 - `ours-draft`       our engine with the draft model and adaptive draft length;
 - `ours-ngram`       our engine with the n-gram (prompt lookup) drafter;
+- `ours-suffix`      our engine with the suffix-index drafter (model-free, `SuffixDrafter`);
 - `ours-auto`        what the app uses by default (see `AUTO_DRAFTER`).
 
 The peer, llama.cpp's server on the same GGUF files, is in `llama_server`.
@@ -31,11 +32,12 @@ from ...engine.drafters import Drafter, LookupThenModelDrafter, ModelDrafter, Ng
 from ...engine.events import DoneEvent
 from ...engine.speculative import GenerationParams, SpeculativeEngine
 from ...engine.stats import GenerationStats
+from ...engine.suffix_drafter import SuffixDrafter
 from ...errors import SpecdecError
 from ...kernels.cpu.threads import default_governor
 
 HF_METHODS = ("target", "hf-assisted", "hf-prompt-lookup")
-OUR_METHODS = ("ours-off", "ours-draft", "ours-ngram", "ours-auto")
+OUR_METHODS = ("ours-off", "ours-draft", "ours-ngram", "ours-suffix", "ours-auto")
 METHODS = HF_METHODS + OUR_METHODS
 LLAMA_SERVER = "llama-server"
 LLAMA_SERVER_DRAFT = "llama-server-draft"
@@ -46,9 +48,10 @@ OURS_PREFIX = "ours-"
 BASELINE = "target"
 HF_ASSISTED = "hf-assisted"
 PROMPT_LOOKUP_TOKENS = 10  # the issue's setting (transformers' docs suggest 10 for input-grounded tasks)
-# What the app runs by default, named by drafter: prompt lookup when the text has a
-# match (free), else the draft model, each with adaptive k (docs/performance.md).
-AUTO_DRAFTER = "ngram+draft"
+# What the app runs by default, named by drafter: copies from the suffix index when the
+# text has a match (free), else the draft model, each with adaptive k
+# (`models.pair.auto_drafter`; "ngram+draft" names prompt lookup and the model instead).
+AUTO_DRAFTER = "suffix+draft"
 
 
 @dataclass(frozen=True)
@@ -233,8 +236,12 @@ def build_methods(
             return NoDrafter()
         if kind == "ngram":
             return NgramDrafter()
+        if kind == "suffix":
+            return SuffixDrafter()
         model = ModelDrafter(draft_model, name=draft_name, vocab_size=vocab_size)
-        return LookupThenModelDrafter(model) if kind == "ngram+draft" else model
+        if kind == "ngram+draft":
+            return LookupThenModelDrafter(model)
+        return LookupThenModelDrafter(model, SuffixDrafter(min_match=2)) if kind == "suffix+draft" else model
 
     def engine_method(name: str, kind: str) -> EngineMethod:
         engine = SpeculativeEngine(target_model, tokenizer, drafter(kind), stop_token_ids=stop_token_ids)
@@ -258,6 +265,7 @@ def build_methods(
         "ours-off": lambda: engine_method("ours-off", "none"),
         "ours-draft": lambda: engine_method("ours-draft", "draft"),
         "ours-ngram": lambda: engine_method("ours-ngram", "ngram"),
+        "ours-suffix": lambda: engine_method("ours-suffix", "suffix"),
         "ours-auto": lambda: engine_method("ours-auto", AUTO_DRAFTER),
     }
     return {name: factories[name]() for name in METHODS if name in names}
