@@ -235,13 +235,15 @@ def test_parameters_out_of_range_are_refused_naming_the_range(field, value, allo
 
 def test_remembered_conversations_reach_the_drafters_library_and_survive_a_draft_swap(tiny_folder, sibling_folder):
     session = ChatSession()
-    session.load(LoadSpec(target=str(tiny_folder), draft=str(sibling_folder), device="cpu", precision="fp32"))
+    session.load(LoadSpec(target=str(tiny_folder), draft="suffix", device="cpu", precision="fp32"))
     past = [[Message("user", "Write a loop."), Message("assistant", "for i in range(3):\n    print(i)")]]
     held = session.remember(past)
     assert held > 10
+    session.swap_draft(str(sibling_folder))  # a model draft, with prompt lookup: no library
+    assert library_of(session.engine.drafter) is None
     session.swap_draft("suffix")
     suffix = library_of(session.engine.drafter)
-    assert suffix is not None and suffix.library.tokens == held  # the new drafter got it
+    assert suffix is not None and suffix.library.tokens == held  # the library survived the swaps
     session.swap_draft("ngram")  # prompt lookup keeps no library
     assert session.remember(past) == 0
     _, done = answer(session)  # still answers, exactly as before

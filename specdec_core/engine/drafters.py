@@ -162,41 +162,22 @@ class NoDrafter:
         return 0.0
 
 
-class NgramDrafter:
-    """Prompt lookup: find the latest earlier occurrence of the last n tokens and
-    propose what followed it. Free to run; shines when the answer quotes the
-    prompt (code edits, summaries, rewrites). Tries n = max_ngram down to min_ngram.
-    """
+class LookupDrafter:
+    """A model-free drafter: copies what followed an earlier match of the latest tokens, free
+    to run; its real cost is the longer verify, which is measured. A subclass says where the
+    copies come from (`match`) and keeps its text (`sync`, `reset`)."""
 
-    name = NGRAM
-
-    def __init__(self, max_ngram: int = 4, min_ngram: int = 1) -> None:
-        self.max_ngram = max_ngram
-        self.min_ngram = min_ngram
+    def __init__(self) -> None:
         self.controller = DraftLengthController()
-        self.reset()
+
+    def max_k(self, plan: DraftPlan) -> int:
+        """The longest draft this drafter proposes under `plan`."""
+        return plan.max_k
 
     def start(self, plan: DraftPlan) -> None:
         previous = self.controller
-        self.controller = DraftLengthController(max_k=plan.max_k, pinned=plan.pinned, costs=plan.costs)
+        self.controller = DraftLengthController(max_k=self.max_k(plan), pinned=plan.pinned, costs=plan.costs)
         self.controller.carry_from(previous)
-
-    def reset(self) -> None:
-        self._tokens: list[int] = []
-        # n-gram -> position just after its latest occurrence (indexed incrementally).
-        self._last_end: dict[tuple[int, ...], int] = {}
-        self._indexed = 0
-
-    def sync(self, tokens: Sequence[int]) -> None:
-        if list(tokens[: len(self._tokens)]) != self._tokens:
-            self.reset()  # a different conversation: start over
-        self._tokens.extend(tokens[len(self._tokens) :])
-
-    def runners(self) -> tuple[Runner, ...]:
-        return ()
-
-    def seconds_per_token(self) -> float:
-        return 0.0  # microseconds; its real cost is the longer verify, which is measured
 
     def draft(
         self, tokens: Sequence[int], budget: int, sampling: SamplingParams, generator: torch.Generator | None
@@ -211,6 +192,42 @@ class NgramDrafter:
 
     def observe(self, draft: Draft, accepted: int, committed: Sequence[int], greedy: bool) -> None:
         self.controller.observe(len(draft.tokens), accepted)
+
+    def match(self, tokens: Sequence[int], k: int) -> tuple[list[int], int]:
+        """Up to k tokens that followed the latest earlier match, and the match's length."""
+        raise NotImplementedError
+
+    def runners(self) -> tuple[Runner, ...]:
+        return ()
+
+    def seconds_per_token(self) -> float:
+        return 0.0  # microseconds
+
+
+class NgramDrafter(LookupDrafter):
+    """Prompt lookup: find the latest earlier occurrence of the last n tokens and
+    propose what followed it. Free to run; shines when the answer quotes the
+    prompt (code edits, summaries, rewrites). Tries n = max_ngram down to min_ngram.
+    """
+
+    name = NGRAM
+
+    def __init__(self, max_ngram: int = 4, min_ngram: int = 1) -> None:
+        super().__init__()
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+        self.reset()
+
+    def reset(self) -> None:
+        self._tokens: list[int] = []
+        # n-gram -> position just after its latest occurrence (indexed incrementally).
+        self._last_end: dict[tuple[int, ...], int] = {}
+        self._indexed = 0
+
+    def sync(self, tokens: Sequence[int]) -> None:
+        if list(tokens[: len(self._tokens)]) != self._tokens:
+            self.reset()  # a different conversation: start over
+        self._tokens.extend(tokens[len(self._tokens) :])
 
     def match(self, tokens: Sequence[int], k: int) -> tuple[list[int], int]:
         """Up to k tokens that followed the latest earlier match, and the match's length n."""

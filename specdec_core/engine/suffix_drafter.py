@@ -17,15 +17,9 @@ rejection sampling keeps the target's distribution, and greedy output is the tar
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable, Sequence
 
-import torch
-
-from ..kernels.runner import Runner
-from .adaptive import DraftLengthController
-from .drafters import SUFFIX, Draft, DraftPlan, DraftSource, LookupThenModelDrafter
-from .sampling import SamplingParams
+from .drafters import SUFFIX, DraftPlan, LookupDrafter, LookupThenModelDrafter
 from .suffix_index import DEPTH, MAX_NODES, NO_PROPOSAL, ROOT, Proposal, SuffixIndex
 
 # The keys the source policy keeps copy acceptance under: a match's length, rounded down
@@ -37,7 +31,7 @@ def match_key(match: int) -> int:
     return max((key for key in MATCH_KEYS if key <= match), default=0)
 
 
-class SuffixDrafter:
+class SuffixDrafter(LookupDrafter):
     """Drafts the most frequent continuation of the longest earlier match (SuffixDecoding)."""
 
     name = SUFFIX
@@ -56,7 +50,7 @@ class SuffixDrafter:
         self.depth = depth
         self.max_nodes = max_nodes
         self.library = SuffixIndex(depth, max_nodes)
-        self.controller = DraftLengthController()
+        super().__init__()
         self.reset()
 
     # -- what is indexed -----------------------------------------------------------------------
@@ -138,30 +132,8 @@ class SuffixDrafter:
 
     # -- DraftStrategy ---------------------------------------------------------------------------
 
-    def start(self, plan: DraftPlan) -> None:
-        previous = self.controller
-        self.controller = DraftLengthController(max_k=plan.copy_limit, pinned=plan.pinned, costs=plan.costs)
-        self.controller.carry_from(previous)
-
-    def draft(
-        self, tokens: Sequence[int], budget: int, sampling: SamplingParams, generator: torch.Generator | None
-    ) -> Draft:
-        k = self.controller.choose_k(drafter_is_model=False, limit=budget)
-        if k <= 0:
-            return Draft(tokens=[], probs=None, seconds=0.0)
-        start = time.perf_counter()
-        found, _ = self.match(tokens, k)
-        source = DraftSource.LOOKUP if found else DraftSource.NONE
-        return Draft(found, None, time.perf_counter() - start, source=source, requested=k, copied=len(found))
-
-    def observe(self, draft: Draft, accepted: int, committed: Sequence[int], greedy: bool) -> None:
-        self.controller.observe(len(draft.tokens), accepted)
-
-    def runners(self) -> tuple[Runner, ...]:
-        return ()
-
-    def seconds_per_token(self) -> float:
-        return 0.0  # microseconds; its real cost is the longer verify, which is measured
+    def max_k(self, plan: DraftPlan) -> int:
+        return plan.copy_limit  # a copy runs longer than a model's draft: it costs nothing to make
 
 
 def library_of(drafter: object) -> SuffixDrafter | None:

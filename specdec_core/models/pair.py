@@ -99,11 +99,11 @@ def make_drafter(spec: DraftSpec | str, target: LoadedModel, draft: LoadedModel 
 
 
 def auto_drafter(model: ModelDrafter) -> LookupThenModelDrafter:
-    """What a model draft means: copies from the suffix index and the model, the best of
-    them each step (free copies of the conversation and the library where they pay),
-    exact either way (docs/engine.md#drafters). A copy needs a match of 2 tokens or more:
-    what follows 1 token is mostly chance."""
-    return LookupThenModelDrafter(model, SuffixDrafter(min_match=2))
+    """What a model draft means: prompt lookup and the model, the best of them each step
+    (free copies of the conversation where they pay), exact either way (docs/engine.md#drafters).
+    Prompt lookup rather than the suffix index: the interleaved A/B on held-out rewrite turns
+    gave the suffix index no gain (docs/engine.md, "Copies from a suffix index")."""
+    return LookupThenModelDrafter(model)
 
 
 def load_draft(

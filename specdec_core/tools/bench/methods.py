@@ -12,8 +12,8 @@ draws with the same temperature, top-k, top-p and seed, and texts are not compar
 - `ours-draft`       our engine with the draft model and adaptive draft length;
 - `ours-ngram`       our engine with the n-gram (prompt lookup) drafter;
 - `ours-suffix`      our engine with the suffix-index drafter (model-free, `SuffixDrafter`);
-- `ours-ngram-draft` prompt lookup, else the draft model: `ours-auto` with the n-gram lookup in
-                     place of the suffix index (an A/B of the two model-free sources);
+- `ours-suffix-draft` copies from the suffix index, else the draft model: `ours-auto` with the
+                     suffix index in place of prompt lookup (an A/B of the two model-free sources);
 - `ours-auto`        what the app uses by default (see `AUTO_DRAFTER`).
 
 The peer, llama.cpp's server on the same GGUF files, is in `llama_server`.
@@ -39,21 +39,20 @@ from ...errors import SpecdecError
 from ...kernels.cpu.threads import default_governor
 
 HF_METHODS = ("target", "hf-assisted", "hf-prompt-lookup")
-OUR_METHODS = ("ours-off", "ours-draft", "ours-ngram", "ours-suffix", "ours-ngram-draft", "ours-auto")
+OUR_METHODS = ("ours-off", "ours-draft", "ours-ngram", "ours-suffix", "ours-suffix-draft", "ours-auto")
 METHODS = HF_METHODS + OUR_METHODS
 LLAMA_SERVER = "llama-server"
 LLAMA_SERVER_DRAFT = "llama-server-draft"
 PEER_METHODS = (LLAMA_SERVER, LLAMA_SERVER_DRAFT)  # llama.cpp's server: built by `llama_server`
 ALL_METHODS = METHODS + PEER_METHODS
-DRAFT_MODEL_METHODS = frozenset({"hf-assisted", "ours-draft", "ours-ngram-draft"})
+DRAFT_MODEL_METHODS = frozenset({"hf-assisted", "ours-draft", "ours-suffix-draft"})
 OURS_PREFIX = "ours-"
 BASELINE = "target"
 HF_ASSISTED = "hf-assisted"
 PROMPT_LOOKUP_TOKENS = 10  # the issue's setting (transformers' docs suggest 10 for input-grounded tasks)
-# What the app runs by default, named by drafter: copies from the suffix index when the
-# text has a match (free), else the draft model, each with adaptive k
-# (`models.pair.auto_drafter`; "ngram+draft" names prompt lookup and the model instead).
-AUTO_DRAFTER = "suffix+draft"
+# What the app runs by default, named by drafter: prompt lookup when the text has a match
+# (free), else the draft model, each with adaptive k (`models.pair.auto_drafter`).
+AUTO_DRAFTER = "ngram+draft"
 
 
 @dataclass(frozen=True)
@@ -268,7 +267,7 @@ def build_methods(
         "ours-draft": lambda: engine_method("ours-draft", "draft"),
         "ours-ngram": lambda: engine_method("ours-ngram", "ngram"),
         "ours-suffix": lambda: engine_method("ours-suffix", "suffix"),
-        "ours-ngram-draft": lambda: engine_method("ours-ngram-draft", "ngram+draft"),
+        "ours-suffix-draft": lambda: engine_method("ours-suffix-draft", "suffix+draft"),
         "ours-auto": lambda: engine_method("ours-auto", AUTO_DRAFTER),
     }
     return {name: factories[name]() for name in METHODS if name in names}
