@@ -233,6 +233,7 @@ def test_a_source_too_big_for_memory_is_not_measured_and_the_label_says_so(wide_
     assert loaded.fidelity.startswith("Q4_K_M from bf16 (KL not measured: the fp32 reference would not fit in memory)")
 
 
+@needs_kernel
 def test_a_changed_source_gets_its_own_copy(tmp_path):
     from specdec_core.models.loading import load_model
 
