@@ -56,7 +56,7 @@ test-isas: $(STAMP)
 test-parity: $(STAMP)
 	paths="$$(PYTHON=$(PY) scripts/build-llama-cpp --no-amx)" && \
 	SPECDEC_LLAMA_CPP_BIN="$$(dirname "$$(echo "$$paths" | head -n1)")" QT_QPA_PLATFORM=offscreen \
-		$(PY) -m pytest -q -p no:cacheprovider -rsx tests/test_llama_parity.py
+		$(PY) -m pytest -q -p no:cacheprovider -rsx tests/test_llama_parity.py tests/test_llama_cpp_served.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check specdec_core app tests

@@ -374,3 +374,24 @@ def test_a_local_server_wants_a_gguf_target(tmp_path):
     folder.mkdir()
     with pytest.raises(ServerError, match=r"serves a \.gguf file, not .*a-model-folder"):
         ChatSession().load(LoadSpec(target=str(folder), local_server=str(_server_binary(tmp_path))))
+
+
+def test_llama_cpps_list_of_speculation_types_is_named_without_its_none():
+    from specdec_core.served.backend import speculation_named
+
+    assert speculation_named("none,draft-simple") == "draft-simple"
+    assert speculation_named("draft-simple") == "draft-simple"
+    assert speculation_named("none") == "none" and speculation_named("") == "none"
+
+
+def test_a_server_that_names_its_speculation_is_told_to_draft_with_its_draft_model(tmp_path):
+    from specdec_core.served.local_server import SPEC_FLAGS, draft_flags
+
+    naming, older = tmp_path / "naming", tmp_path / "older"
+    naming.write_text("#!/bin/sh\necho '--spec-type none,draft-simple  types of speculative decoding'\n")
+    older.write_text("#!/bin/sh\necho '-md, --model-draft FNAME  draft model'\n")
+    for script in (naming, older):
+        script.chmod(0o755)
+    assert draft_flags(str(naming)) == SPEC_FLAGS
+    assert draft_flags(str(older)) == ()  # it drafts with -md alone and knows no such flag
+    assert draft_flags(str(tmp_path / "missing")) == ()

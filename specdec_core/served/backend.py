@@ -273,6 +273,7 @@ class ServedBackend:
 
     def _reported_speculation(self, types: str, run: _Answer) -> None:
         """llama.cpp names the speculation it ran in each answer's settings (its /props may not)."""
+        types = speculation_named(types)
         run.speculation = types
         if self.info.speculation != types:
             self.info = dataclasses.replace(self.info, speculation=types)
@@ -458,6 +459,13 @@ def _optional_text(client: ServerClient, path: str) -> str:
         return ""
 
 
+def speculation_named(types: str) -> str:
+    """llama.cpp's list of speculation types without its "none" beside a real one
+    ("none,draft-simple" is draft-simple); "none" where it names nothing else."""
+    named = [t.strip() for t in types.split(",") if t.strip() and t.strip() != "none"]
+    return ",".join(named) or "none"
+
+
 def _describe(
     address: ServerAddress, kind: str, model: str, models: Any, props: Any, server_info: Any
 ) -> ServerInfo:
@@ -468,8 +476,8 @@ def _describe(
         # /props' defaults may say "none" for a server started with a draft: only a
         # named speculation is taken from it; each answer's own settings say the rest.
         types = params.get("speculative.types")
-        if isinstance(types, str) and types != "none":
-            speculation = types
+        if isinstance(types, str) and speculation_named(types) != "none":
+            speculation = speculation_named(types)
         elif isinstance(params.get("speculative.n_max"), int) and params["speculative.n_max"] > 0:
             speculation = "draft"
         context = settings.get("n_ctx") if isinstance(settings.get("n_ctx"), int) else None

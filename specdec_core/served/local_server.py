@@ -17,6 +17,7 @@ not its command line, which any user of the machine may read.
 from __future__ import annotations
 
 import atexit
+import functools
 import http.client
 import os
 import secrets
@@ -43,6 +44,21 @@ def llama_server_binary(configured: str = "") -> str:
     raise ServerError(
         f"no llama.cpp server binary: set {BINARY_ENV} to llama-server's path (see docs/serving.md)"
     )
+
+
+# llama.cpp's servers that name their speculation (`--spec-type`, default none) only draft
+# with the draft model when told to; older ones draft whenever -md is given, and know no such flag.
+SPEC_FLAGS = ("--spec-type", "draft-simple")
+
+
+@functools.cache
+def draft_flags(binary: str) -> tuple[str, ...]:
+    """What makes `binary` draft with its -md model: SPEC_FLAGS where its help names them."""
+    try:
+        done = subprocess.run([binary, "--help"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return ()
+    return SPEC_FLAGS if SPEC_FLAGS[0] in done.stdout + done.stderr else ()
 
 
 class LocalLlamaServer:
@@ -78,7 +94,7 @@ class LocalLlamaServer:
             *self.extra,
         ]
         if self.draft:
-            command += ["-md", self.draft]
+            command += ["-md", self.draft, *draft_flags(self.binary)]
         # Its log goes to a file: a pipe nobody reads would fill and stall the server.
         self._log = tempfile.TemporaryFile()  # noqa: SIM115 (open while the server runs; closed in stop)
         try:
