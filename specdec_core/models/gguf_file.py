@@ -45,8 +45,10 @@ class GGUFFile:
     data_start: int
     mapping: np.ndarray  # the whole file, read-only
     # The short arrays of numbers (a per-layer pattern): their values. Strings and long
-    # arrays (a vocabulary) are stepped over, their lengths only kept.
+    # arrays (a vocabulary) are stepped over, their lengths only kept, and where each starts
+    # (`read_arrays` decodes one there when asked).
     numbers: dict[str, list[Any]] = field(default_factory=dict)
+    array_offsets: dict[str, int] = field(default_factory=dict)
 
     @property
     def architecture(self) -> str:
@@ -117,8 +119,8 @@ def read_gguf(path: Path) -> GGUFFile:
 
 
 class _Cursor:
-    def __init__(self, buffer: memoryview) -> None:
-        self.buffer, self.at = buffer, 0
+    def __init__(self, buffer: memoryview, at: int = 0) -> None:
+        self.buffer, self.at = buffer, at
 
     def take(self, fmt: str) -> Any:
         value = struct.unpack_from(fmt, self.buffer, self.at)[0]
@@ -152,13 +154,14 @@ def _parse(path: Path, mapping: np.ndarray) -> GGUFFile:
     fields: dict[str, Any] = {}
     lengths: dict[str, int] = {}
     numbers: dict[str, list[Any]] = {}
+    offsets: dict[str, int] = {}
     for _ in range(n_fields):
         key = cursor.string()
         kind = cursor.take("<I")
         if kind == _ARRAY:
-            start = cursor.at
+            offsets[key] = cursor.at
             lengths[key] = _skip_array(cursor)
-            values = _short_numbers(cursor, start)
+            values = _short_numbers(cursor.buffer, offsets[key])
             if values is not None:
                 numbers[key] = values
         else:
@@ -176,7 +179,7 @@ def _parse(path: Path, mapping: np.ndarray) -> GGUFFile:
         raise ModelLoadError(
             f"{path.name} is a truncated GGUF file: {mapping.size} bytes, its tensors need {end}; download it again"
         )
-    return GGUFFile(path, fields, lengths, tensors, data_start, mapping, numbers)
+    return GGUFFile(path, fields, lengths, tensors, data_start, mapping, numbers, offsets)
 
 
 def _nbytes(info: TensorInfo) -> int:
@@ -198,13 +201,12 @@ def _value(cursor: _Cursor, kind: int) -> Any:
 SHORT_ARRAY = 4096  # items: a per-layer array of any model, not a vocabulary's scores
 
 
-def _short_numbers(cursor: _Cursor, start: int) -> list[Any] | None:
+def _short_numbers(buffer: memoryview, start: int) -> list[Any] | None:
     """The values of the array of numbers at `start` when it is short, else None."""
-    kind, count = struct.unpack_from("<IQ", cursor.buffer, start)
-    fmt = _SCALARS.get(kind)
-    if fmt is None or count > SHORT_ARRAY:
+    kind, count = struct.unpack_from("<IQ", buffer, start)
+    if kind not in _SCALARS or count > SHORT_ARRAY:
         return None
-    return list(struct.unpack_from(f"<{count}{fmt[1]}", cursor.buffer, start + 12))
+    return _array(_Cursor(buffer, start))
 
 
 def _skip_array(cursor: _Cursor) -> int:
@@ -224,25 +226,10 @@ def _skip_array(cursor: _Cursor) -> int:
 
 
 def read_arrays(file: GGUFFile, keys: Iterable[str]) -> dict[str, list[Any]]:
-    """The header arrays named in `keys` that `file` holds (strings or numbers), decoded;
-    `read_gguf` only counts them, since a vocabulary is hundreds of thousands of strings."""
-    wanted = set(keys) & file.array_lengths.keys()
-    out: dict[str, list[Any]] = {}
-    cursor = _Cursor(memoryview(file.mapping.data))
-    cursor.at = 4 + 4
-    cursor.take("<Q")  # the tensor count
-    for _ in range(cursor.take("<Q")):
-        if not wanted - out.keys():
-            break
-        key = cursor.string()
-        kind = cursor.take("<I")
-        if kind != _ARRAY:
-            _value(cursor, kind)
-        elif key in wanted:
-            out[key] = _array(cursor)
-        else:
-            _skip_array(cursor)
-    return out
+    """The header arrays named in `keys` that `file` holds (strings or numbers), decoded where
+    `read_gguf` found them; it only counts them, a vocabulary being hundreds of thousands of strings."""
+    buffer = memoryview(file.mapping.data)
+    return {key: _array(_Cursor(buffer, file.array_offsets[key])) for key in keys if key in file.array_offsets}
 
 
 def _array(cursor: _Cursor) -> list[Any]:

@@ -5,8 +5,8 @@ The model is built from its config with empty weights; each linear then becomes 
 rows from the same blocks, and only the small F32 tensors (norms, biases) are copied.
 Nothing is de-quantized ahead of time and nothing is re-quantized, so the forward is
 the function of the file's weights de-quantized, up to summation order and the rounding of
-the activations: Q4_K and Q6_K tensors are repacked losslessly for the int4 kernel, whose
-rows are int8 per 32 inputs (finer than llama.cpp's Q8_K, one scale per 256), and every
+the activations: Q4_K, Q6_K and the 32-weight 4- and 5-bit types are repacked losslessly for
+the int4 kernel, whose rows are int8 per 32 inputs (finer than llama.cpp's Q8_K, one scale per 256), and every
 other type keeps fp32 rows (`_activations`).
 
 The model computes what llama.cpp computes from the file, family by family
@@ -37,6 +37,7 @@ from ..kernels.cpu.gguf_blocks import (
     FALLBACK,
     FALLBACK_NOTE,
     I8,
+    REPACKED_BITS,
     GGUFLinear,
     UnsupportedBlockType,
     block_type,
@@ -50,10 +51,8 @@ from .gguf_to_hf import MODEL_TYPES
 F32 = 0
 ARCHITECTURES = tuple(MODEL_TYPES)  # the families whose config the header gives (gguf_to_hf)
 # The block types whose kernels read a step's weights at about the pace of the re-quantized
-# int4 path: `auto` runs a file as stored only when all its quantized tensors are of these
-# (docs/models.md#fidelity); `--precision gguf` runs any supported type.
-Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K = 2, 3, 6, 7, 12, 14
-FAST_TYPES: frozenset[int] = frozenset({F32, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K})
+# int4 path: those the int4 kernel runs repacked (docs/models.md#fidelity).
+FAST_TYPES: frozenset[int] = frozenset({F32, *map(int, REPACKED_BITS)})
 # A layer's GGUF tensors (after "blk.N.") and the modules of transformers' decoder layer that
 # hold them: a Llama's and a Qwen2's (hf_blocks.py writes these), then each family's own.
 LAYER_TENSORS = {

@@ -6,7 +6,8 @@ dequantized or re-quantized version) and computes
 
     y = x @ W.T (+ bias),   W = gguf.quants.dequantize(blocks, qtype), bit for bit,
 
-with x in fp32, unquantized ("f32"), or, for Q4_K and Q6_K, int8 per 32 inputs ("i8", below).
+with x in fp32, unquantized ("f32"), or, for the types repacked for our int4 kernel, int8 per
+32 inputs ("i8", below).
 `gguf_cpu.c` sums in an order fixed per (row, column) either way, so a row's result is bitwise
 the same whatever the number of rows in the call and the thread count: what speculative
 decoding's exactness needs.

@@ -461,7 +461,7 @@ int64_t gguf_block_bytes(int type, int64_t *weights) {
 }
 
 /* ---------------------------------------------------------------------------------------------
- * Q4_K and Q6_K repacked into int4_cpu.c's layouts K4 and K6, whose kernel (int4_linear_repacked)
+ * Q4_K and Q6_K repacked into int4_cpu.c's layouts K4 and K6, whose kernel (int4_linear)
  * multiplies them at the pace of int4's own weights. Nothing of the file's values changes: each
  * q value, d and sc is moved as it is (dmin with its sign flipped), and the kernel forms each
  * scale as the dequantization does, d * sc, exact in fp32; so (d * sc) * q + (-dmin * m) (Q4_K)

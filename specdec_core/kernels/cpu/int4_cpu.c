@@ -613,7 +613,7 @@ static int share_linear(const uint8_t *w, int bits, int64_t n_out, int64_t k, co
     return 0;
 }
 
-/* int4_linear and int4_linear_repacked, for any layout. */
+/* int4_linear's work, for any layout. */
 static int linear(const uint8_t *w, int64_t n_out, int64_t k, const float *x, int64_t rows, const float *bias,
                   float *y, int threads, int bits) {
     int64_t done = 0;
@@ -656,14 +656,6 @@ int int4_linear(const uint8_t *w, int64_t n_out, int64_t k, const float *x, int6
                 float *y, int threads, int bits) {
     if (!layout_fits(bits, k)) return -1;
     return linear(w, n_out, k, x, rows, bias, y, threads, bits);
-}
-
-/* int4_linear over a repacked GGUF tensor (gguf_repack): `bits` 4 is Q4_K's layout K4, 6 is
- * Q6_K's K6. The same rules and results otherwise. */
-int int4_linear_repacked(const uint8_t *w, int64_t n_out, int64_t k, const float *x, int64_t rows,
-                         const float *bias, float *y, int threads, int bits) {
-    if (bits != 4 && bits != 6) return -1;
-    return int4_linear(w, n_out, k, x, rows, bias, y, threads, bits | K_SCALES);
 }
 
 /* The bytes gguf_repack writes for an [n_out, k] tensor in layout K4 (`bits` 4) or K6 (6). */
