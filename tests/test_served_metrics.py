@@ -1,0 +1,71 @@
+"""vLLM's speculation counters, read from what vLLM 0.34.0 and SGLang 0.5.23 serve.
+
+The texts in tests/data/served/ are those releases' /metrics and /server_info, written by
+scripts/served-metrics-fixtures with prometheus_client from the metrics as the released
+source declares them (each file's header names the source files). Where prometheus_client
+is installed, its own parser is the reference ours is compared with."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from specdec_core.served import engines
+
+DATA = Path(__file__).with_name("data") / "served"
+PROM_FILES = sorted(DATA.glob("*.prom"))
+
+
+def _text(name: str) -> str:
+    return (DATA / name).read_text()
+
+
+# -- vLLM 0.34.0 ----------------------------------------------------------------------------------
+def test_vllm_counters_are_summed_over_its_engines():
+    # Two data-parallel engines, each its own `engine` label; `_created` samples beside each counter.
+    counts = engines.vllm_counts(_text("vllm-0.34.0-dp2.prom"))
+    assert counts == engines.DraftCounts(
+        drafted=1230 + 1164, accepted=861 + 790, drafts=410 + 388, per_position=(352 + 331, 288 + 262, 221 + 197)
+    )
+
+
+def test_vllm_counters_summed_across_api_server_processes_are_read_as_exposed():
+    # --api-server-count 2: prometheus_client's multiprocess collector sums the processes.
+    counts = engines.vllm_counts(_text("vllm-0.34.0-api-servers2.prom"))
+    assert counts == engines.DraftCounts(1845, 1290, 615, (528, 432, 330))
+
+
+def test_a_vllm_server_without_speculation_reports_no_counts():
+    assert engines.vllm_counts(_text("vllm-0.34.0-no-speculation.prom")) is None
+
+
+# -- the exposition format ------------------------------------------------------------------------
+@pytest.mark.parametrize("path", PROM_FILES, ids=lambda p: p.name)
+def test_our_prometheus_parser_reads_what_prometheus_clients_own_parser_reads(path: Path):
+    parser = pytest.importorskip("prometheus_client.parser", reason="prometheus_client is the reference")
+    text = path.read_text()
+    theirs = sorted(
+        (s.name, tuple(sorted(s.labels.items())), s.value)
+        for family in parser.text_string_to_metric_families(text)
+        for s in family.samples
+        if math.isfinite(s.value)
+    )
+    ours = sorted(
+        (s.name, tuple(sorted(s.labels.items())), s.value)
+        for s in engines.parse_prometheus(text)
+        if math.isfinite(s.value)
+    )
+    assert ours == theirs
+
+
+def test_the_fixtures_are_all_there():
+    assert {p.name for p in PROM_FILES} == {
+        "vllm-0.34.0-dp2.prom",
+        "vllm-0.34.0-api-servers2.prom",
+        "vllm-0.34.0-no-speculation.prom",
+        "sglang-0.5.23-eagle-dp2.prom",
+        "sglang-0.5.23-eagle-dp2-one-rank-warming.prom",
+        "sglang-0.5.23-no-speculation.prom",
+    }
