@@ -278,16 +278,6 @@ def test_vllm_spec_decode_counters_are_read_and_differenced_across_an_answer():
     assert engines.vllm_counts("# no speculation\nvllm:num_requests_running 0\n") is None
 
 
-def test_sglang_acceptance_is_its_server_wide_gauge():
-    text = """\
-# HELP sglang:spec_accept_length The average acceptance length of speculative decoding.
-# TYPE sglang:spec_accept_length gauge
-sglang:spec_accept_length{model_name="meta-llama/Llama-3.1-8B-Instruct"} 2.75
-"""
-    assert engines.sglang_acceptance(text) == engines.SglangAcceptance(2.75, None)
-    assert engines.sglang_acceptance("sglang:num_running_reqs 0\n") is None
-
-
 def test_batch_invariance_is_claimed_only_where_the_server_reports_it():
     assert engines.exactness_label(None) == engines.NOT_VERIFIED
     assert engines.exactness_label({"version": "0.11"}) == engines.NOT_VERIFIED

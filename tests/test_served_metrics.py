@@ -1,4 +1,4 @@
-"""vLLM's speculation counters, read from what vLLM 0.34.0 and SGLang 0.5.23 serve.
+"""vLLM's and SGLang's speculation figures, read from what vLLM 0.34.0 and SGLang 0.5.23 serve.
 
 The texts in tests/data/served/ are those releases' /metrics and /server_info, written by
 scripts/served-metrics-fixtures with prometheus_client from the metrics as the released
@@ -39,6 +39,23 @@ def test_vllm_counters_summed_across_api_server_processes_are_read_as_exposed():
 
 def test_a_vllm_server_without_speculation_reports_no_counts():
     assert engines.vllm_counts(_text("vllm-0.34.0-no-speculation.prom")) is None
+
+
+# -- SGLang 0.5.23 --------------------------------------------------------------------------------
+def test_sglang_accept_length_is_the_mean_over_its_schedulers():
+    figures = engines.sglang_acceptance(_text("sglang-0.5.23-eagle-dp2.prom"))
+    assert figures == engines.SglangAcceptance((2.8125 + 3.1875) / 2, (0.453125 + 0.546875) / 2)
+
+
+def test_a_scheduler_that_has_not_measured_yet_is_left_out_of_the_mean():
+    # Its gauges hold the 0 they start at until it logs a decode batch.
+    figures = engines.sglang_acceptance(_text("sglang-0.5.23-eagle-dp2-one-rank-warming.prom"))
+    assert figures == engines.SglangAcceptance(2.875, 0.46875)
+
+
+def test_an_sglang_server_without_speculation_reports_no_acceptance():
+    # SGLang sets its spec gauges to 0 at every log when it runs no speculation.
+    assert engines.sglang_acceptance(_text("sglang-0.5.23-no-speculation.prom")) is None
 
 
 # -- the exposition format ------------------------------------------------------------------------

@@ -7,9 +7,10 @@
   `vllm:spec_decode_num_accepted_tokens_total` and, per draft position,
   `vllm:spec_decode_num_accepted_tokens_per_pos_total{position="i"}`. An answer's counts are
   the difference across it (other clients' requests in between are counted too).
-- SGLang: the gauge `sglang:spec_accept_length` (mean tokens per verify step, the bonus
-  token included) and, where present, `sglang:spec_accept_rate`: server-wide running
-  figures, not per answer.
+- SGLang: the gauges `sglang:spec_accept_length` (mean tokens per verify step, the bonus
+  token included) and `sglang:spec_accept_rate`, one sample per scheduler rank (labels
+  `tp_rank`, `pp_rank`, `dp_rank`, ...), each the figure of that rank's last logging
+  interval: server-wide running figures, not per answer.
 """
 
 from __future__ import annotations
@@ -147,12 +148,31 @@ class SglangAcceptance:
 
 
 def sglang_acceptance(metrics_text: str) -> SglangAcceptance | None:
+    """The mean over SGLang's schedulers (one sample per rank label set) of those that have
+    measured, each rank's rate beside its length; None where none has.
+
+    A measured accept length counts the bonus token, so it is at least 1. SGLang writes 0
+    where it measured nothing: always when it runs no speculation, and on a rank that has not
+    yet logged a decode batch (sglang/srt/managers/scheduler_components/metrics_reporter.py).
+    """
     samples = parse_prometheus(metrics_text)
-    lengths = [s.value for s in samples if s.name == "sglang:spec_accept_length" and math.isfinite(s.value)]
-    if not lengths:
+    rates = {_label_set(s): s.value for s in samples if s.name == "sglang:spec_accept_rate"}
+    measured = [
+        (s.value, rates.get(_label_set(s)))
+        for s in samples
+        if s.name == "sglang:spec_accept_length" and math.isfinite(s.value) and s.value >= 1.0
+    ]
+    if not measured:
         return None
-    rates = [s.value for s in samples if s.name == "sglang:spec_accept_rate" and math.isfinite(s.value)]
-    return SglangAcceptance(sum(lengths) / len(lengths), sum(rates) / len(rates) if rates else None)
+    known_rates = [rate for _, rate in measured if rate is not None and math.isfinite(rate)]
+    return SglangAcceptance(
+        sum(length for length, _ in measured) / len(measured),
+        sum(known_rates) / len(known_rates) if known_rates else None,
+    )
+
+
+def _label_set(sample: Sample) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted(sample.labels.items()))
 
 
 def exactness_label(server_info: Any) -> str:
