@@ -278,13 +278,6 @@ def test_vllm_spec_decode_counters_are_read_and_differenced_across_an_answer():
     assert engines.vllm_counts("# no speculation\nvllm:num_requests_running 0\n") is None
 
 
-def test_batch_invariance_is_claimed_only_where_the_server_reports_it():
-    assert engines.exactness_label(None) == engines.NOT_VERIFIED
-    assert engines.exactness_label({"version": "0.11"}) == engines.NOT_VERIFIED
-    assert engines.exactness_label({"env": {"VLLM_BATCH_INVARIANT": "1"}}) == engines.BATCH_INVARIANT
-    assert engines.exactness_label({"env": {"VLLM_BATCH_INVARIANT": "0"}}) == engines.NOT_VERIFIED
-
-
 def test_a_local_server_serves_a_gguf_with_its_draft_and_stops_on_release(models, tmp_path):
     pytest.importorskip("xllamacpp", reason="llama.cpp's server comes from the xllamacpp package")
     binary = _server_binary(tmp_path)

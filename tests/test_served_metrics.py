@@ -7,6 +7,7 @@ is installed, its own parser is the reference ours is compared with."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -39,6 +40,28 @@ def test_vllm_counters_summed_across_api_server_processes_are_read_as_exposed():
 
 def test_a_vllm_server_without_speculation_reports_no_counts():
     assert engines.vllm_counts(_text("vllm-0.34.0-no-speculation.prom")) is None
+
+
+def test_vllm_server_info_with_batch_invariance_on_is_labelled_batch_invariant():
+    # /server_info exists only under VLLM_SERVER_DEV_MODE=1; its vllm_env lists VLLM_BATCH_INVARIANT.
+    info = json.loads(_text("vllm-0.34.0-server-info.json"))
+    assert info["vllm_env"]["VLLM_BATCH_INVARIANT"] is True
+    assert engines.exactness_label(info) == engines.BATCH_INVARIANT
+
+
+def test_vllm_server_info_with_batch_invariance_off_is_not_verified():
+    info = json.loads(_text("vllm-0.34.0-server-info.json"))
+    info["vllm_env"]["VLLM_BATCH_INVARIANT"] = False
+    assert engines.exactness_label(info) == engines.NOT_VERIFIED
+
+
+def test_batch_invariance_is_claimed_only_where_vllm_env_reports_it():
+    assert engines.exactness_label(None) == engines.NOT_VERIFIED  # no /server_info: dev mode off
+    assert engines.exactness_label({"version": "0.34.0"}) == engines.NOT_VERIFIED
+    # The setting read from anywhere but the server's own resolved vllm_env is no claim.
+    assert engines.exactness_label({"env": {"VLLM_BATCH_INVARIANT": "1"}}) == engines.NOT_VERIFIED
+    assert engines.exactness_label({"system_env": {"VLLM_BATCH_INVARIANT": True}}) == engines.NOT_VERIFIED
+    assert engines.exactness_label({"batch_invariant": True}) == engines.NOT_VERIFIED
 
 
 # -- SGLang 0.5.23 --------------------------------------------------------------------------------

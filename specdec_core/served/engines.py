@@ -178,23 +178,12 @@ def _label_set(sample: Sample) -> tuple[tuple[str, str], ...]:
 def exactness_label(server_info: Any) -> str:
     """BATCH_INVARIANT only where the server itself reports batch invariance, else NOT_VERIFIED.
 
-    vLLM turns it on with the environment variable VLLM_BATCH_INVARIANT=1; its documented
-    HTTP API does not publish that, so the label needs a server whose /server_info reports
-    `VLLM_BATCH_INVARIANT` set to 1 or `batch_invariant` true. Nothing is inferred from the
-    server's kind or version.
+    vLLM turns it on with the environment variable VLLM_BATCH_INVARIANT=1. Its /server_info
+    (a route only VLLM_SERVER_DEV_MODE=1 registers) lists, under `vllm_env`, every VLLM_*
+    setting as the server resolved it, VLLM_BATCH_INVARIANT a JSON boolean
+    (vllm/entrypoints/serve/dev/server_info/api_router.py, vLLM 0.34.0). That field, true,
+    is the claim; nothing is inferred from the server's kind, version or any other field.
     """
-    return BATCH_INVARIANT if _reports_batch_invariance(server_info) else NOT_VERIFIED
-
-
-def _reports_batch_invariance(value: Any, depth: int = 0) -> bool:
-    if depth > 4:
-        return False
-    if isinstance(value, Mapping):
-        for key, item in value.items():
-            if key == "VLLM_BATCH_INVARIANT" and str(item).strip().lower() in ("1", "true"):
-                return True
-            if key == "batch_invariant" and item is True:
-                return True
-            if _reports_batch_invariance(item, depth + 1):
-                return True
-    return False
+    env = server_info.get("vllm_env") if isinstance(server_info, Mapping) else None
+    reported = env.get("VLLM_BATCH_INVARIANT") if isinstance(env, Mapping) else None
+    return BATCH_INVARIANT if reported is True else NOT_VERIFIED
