@@ -42,6 +42,12 @@ def test_a_vllm_server_without_speculation_reports_no_counts():
     assert engines.vllm_counts(_text("vllm-0.34.0-no-speculation.prom")) is None
 
 
+def test_an_answers_counts_are_the_counters_difference_across_it():
+    before = engines.DraftCounts(300, 180, 100, (80, 60, 40))
+    after = engines.DraftCounts(330, 200, 110, (90, 66, 44))
+    assert after.minus(before) == engines.DraftCounts(30, 20, 10, (10, 6, 4))
+
+
 def test_vllm_server_info_with_batch_invariance_on_is_labelled_batch_invariant():
     # /server_info exists only under VLLM_SERVER_DEV_MODE=1; its vllm_env lists VLLM_BATCH_INVARIANT.
     info = json.loads(_text("vllm-0.34.0-server-info.json"))

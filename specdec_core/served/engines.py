@@ -5,8 +5,9 @@
 - vLLM: Prometheus counters at `/metrics`, cumulative over the whole server:
   `vllm:spec_decode_num_drafts_total`, `vllm:spec_decode_num_draft_tokens_total`,
   `vllm:spec_decode_num_accepted_tokens_total` and, per draft position,
-  `vllm:spec_decode_num_accepted_tokens_per_pos_total{position="i"}`. An answer's counts are
-  the difference across it (other clients' requests in between are counted too).
+  `vllm:spec_decode_num_accepted_tokens_per_pos_total{position="i"}`, labelled `model_name`
+  and `engine` (one set per data-parallel engine, summed here). An answer's counts are the
+  difference across it (other clients' requests in between are counted too).
 - SGLang: the gauges `sglang:spec_accept_length` (mean tokens per verify step, the bonus
   token included) and `sglang:spec_accept_rate`, one sample per scheduler rank (labels
   `tp_rank`, `pp_rank`, `dp_rank`, ...), each the figure of that rank's last logging
