@@ -33,9 +33,10 @@ def test_vllm_counters_are_summed_over_its_engines():
 
 
 def test_vllm_counters_summed_across_api_server_processes_are_read_as_exposed():
-    # --api-server-count 2: prometheus_client's multiprocess collector sums the processes.
+    # --api-server-count 2: prometheus_client's multiprocess collector sums the processes;
+    # past a million the counts come with an exponent (1.8475623e+07).
     counts = engines.vllm_counts(_text("vllm-0.34.0-api-servers2.prom"))
-    assert counts == engines.DraftCounts(1845, 1290, 615, (528, 432, 330))
+    assert counts == engines.DraftCounts(18475623, 12932937, 6158541, (5281539, 4323624, 3327774))
 
 
 def test_a_vllm_server_without_speculation_reports_no_counts():
