@@ -1,6 +1,6 @@
 """ChatSession over a served engine: llama.cpp's real server (from the xllamacpp package) on
-127.0.0.1 with tiny GGUFs, and the speculation metrics of vLLM and SGLang parsed from their
-documented formats. The server tests skip, with the reason, where xllamacpp cannot be imported."""
+127.0.0.1 with tiny GGUFs (vLLM's and SGLang's metrics: tests/test_served_metrics.py). The
+server tests skip, with the reason, where xllamacpp cannot be imported."""
 
 from __future__ import annotations
 
@@ -251,48 +251,6 @@ def test_llama_cpp_timings_give_the_draft_counts():
     timings = {"predicted_n": 20, "predicted_ms": 5.8, "draft_n": 15, "draft_n_accepted": 12}
     assert engines.llama_cpp_counts(timings) == engines.DraftCounts(15, 12)
     assert engines.llama_cpp_counts({"predicted_n": 20}) is None  # no speculation reported
-
-
-VLLM_METRICS = """\
-# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
-# TYPE vllm:spec_decode_num_drafts_total counter
-vllm:spec_decode_num_drafts_total{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 100.0
-# TYPE vllm:spec_decode_num_draft_tokens_total counter
-vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 300.0
-# TYPE vllm:spec_decode_num_accepted_tokens_total counter
-vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 180.0
-# TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter
-vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="0"} 80.0
-vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="1"} 60.0
-vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="2"} 40.0
-"""
-
-
-def test_vllm_spec_decode_counters_are_read_and_differenced_across_an_answer():
-    before = engines.vllm_counts(VLLM_METRICS)
-    assert before == engines.DraftCounts(300, 180, 100, (80, 60, 40))
-    after = engines.vllm_counts(
-        VLLM_METRICS.replace("300.0", "330.0").replace("180.0", "200.0").replace("} 100.0", "} 110.0")
-    )
-    assert after is not None and after.minus(before) == engines.DraftCounts(30, 20, 10, (0, 0, 0))
-    assert engines.vllm_counts("# no speculation\nvllm:num_requests_running 0\n") is None
-
-
-def test_sglang_acceptance_is_its_server_wide_gauge():
-    text = """\
-# HELP sglang:spec_accept_length The average acceptance length of speculative decoding.
-# TYPE sglang:spec_accept_length gauge
-sglang:spec_accept_length{model_name="meta-llama/Llama-3.1-8B-Instruct"} 2.75
-"""
-    assert engines.sglang_acceptance(text) == engines.SglangAcceptance(2.75, None)
-    assert engines.sglang_acceptance("sglang:num_running_reqs 0\n") is None
-
-
-def test_batch_invariance_is_claimed_only_where_the_server_reports_it():
-    assert engines.exactness_label(None) == engines.NOT_VERIFIED
-    assert engines.exactness_label({"version": "0.11"}) == engines.NOT_VERIFIED
-    assert engines.exactness_label({"env": {"VLLM_BATCH_INVARIANT": "1"}}) == engines.BATCH_INVARIANT
-    assert engines.exactness_label({"env": {"VLLM_BATCH_INVARIANT": "0"}}) == engines.NOT_VERIFIED
 
 
 def test_a_local_server_serves_a_gguf_with_its_draft_and_stops_on_release(models, tmp_path):

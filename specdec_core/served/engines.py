@@ -5,11 +5,13 @@
 - vLLM: Prometheus counters at `/metrics`, cumulative over the whole server:
   `vllm:spec_decode_num_drafts_total`, `vllm:spec_decode_num_draft_tokens_total`,
   `vllm:spec_decode_num_accepted_tokens_total` and, per draft position,
-  `vllm:spec_decode_num_accepted_tokens_per_pos_total{position="i"}`. An answer's counts are
-  the difference across it (other clients' requests in between are counted too).
-- SGLang: the gauge `sglang:spec_accept_length` (mean tokens per verify step, the bonus
-  token included) and, where present, `sglang:spec_accept_rate`: server-wide running
-  figures, not per answer.
+  `vllm:spec_decode_num_accepted_tokens_per_pos_total{position="i"}`, labelled `model_name`
+  and `engine` (one set per data-parallel engine, summed here). An answer's counts are the
+  difference across it (other clients' requests in between are counted too).
+- SGLang: the gauges `sglang:spec_accept_length` (mean tokens per verify step, the bonus
+  token included) and `sglang:spec_accept_rate`, one sample per scheduler rank (labels
+  `tp_rank`, `pp_rank`, `dp_rank`, ...), each the figure of that rank's last logging
+  interval: server-wide running figures, not per answer.
 """
 
 from __future__ import annotations
@@ -147,34 +149,42 @@ class SglangAcceptance:
 
 
 def sglang_acceptance(metrics_text: str) -> SglangAcceptance | None:
+    """The mean over SGLang's schedulers (one sample per rank label set) of those that have
+    measured, each rank's rate beside its length; None where none has.
+
+    A measured accept length counts the bonus token, so it is at least 1. SGLang writes 0
+    where it measured nothing: always when it runs no speculation, and on a rank that has not
+    yet logged a decode batch (sglang/srt/managers/scheduler_components/metrics_reporter.py).
+    """
     samples = parse_prometheus(metrics_text)
-    lengths = [s.value for s in samples if s.name == "sglang:spec_accept_length" and math.isfinite(s.value)]
-    if not lengths:
+    rates = {_label_set(s): s.value for s in samples if s.name == "sglang:spec_accept_rate"}
+    measured = [
+        (s.value, rates.get(_label_set(s)))
+        for s in samples
+        if s.name == "sglang:spec_accept_length" and math.isfinite(s.value) and s.value >= 1.0
+    ]
+    if not measured:
         return None
-    rates = [s.value for s in samples if s.name == "sglang:spec_accept_rate" and math.isfinite(s.value)]
-    return SglangAcceptance(sum(lengths) / len(lengths), sum(rates) / len(rates) if rates else None)
+    known_rates = [rate for _, rate in measured if rate is not None and math.isfinite(rate)]
+    return SglangAcceptance(
+        sum(length for length, _ in measured) / len(measured),
+        sum(known_rates) / len(known_rates) if known_rates else None,
+    )
+
+
+def _label_set(sample: Sample) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted(sample.labels.items()))
 
 
 def exactness_label(server_info: Any) -> str:
     """BATCH_INVARIANT only where the server itself reports batch invariance, else NOT_VERIFIED.
 
-    vLLM turns it on with the environment variable VLLM_BATCH_INVARIANT=1; its documented
-    HTTP API does not publish that, so the label needs a server whose /server_info reports
-    `VLLM_BATCH_INVARIANT` set to 1 or `batch_invariant` true. Nothing is inferred from the
-    server's kind or version.
+    vLLM turns it on with the environment variable VLLM_BATCH_INVARIANT=1. Its /server_info
+    (a route only VLLM_SERVER_DEV_MODE=1 registers) lists, under `vllm_env`, every VLLM_*
+    setting as the server resolved it, VLLM_BATCH_INVARIANT a JSON boolean
+    (vllm/entrypoints/serve/dev/server_info/api_router.py, vLLM 0.34.0). That field, true,
+    is the claim; nothing is inferred from the server's kind, version or any other field.
     """
-    return BATCH_INVARIANT if _reports_batch_invariance(server_info) else NOT_VERIFIED
-
-
-def _reports_batch_invariance(value: Any, depth: int = 0) -> bool:
-    if depth > 4:
-        return False
-    if isinstance(value, Mapping):
-        for key, item in value.items():
-            if key == "VLLM_BATCH_INVARIANT" and str(item).strip().lower() in ("1", "true"):
-                return True
-            if key == "batch_invariant" and item is True:
-                return True
-            if _reports_batch_invariance(item, depth + 1):
-                return True
-    return False
+    env = server_info.get("vllm_env") if isinstance(server_info, Mapping) else None
+    reported = env.get("VLLM_BATCH_INVARIANT") if isinstance(env, Mapping) else None
+    return BATCH_INVARIANT if reported is True else NOT_VERIFIED
