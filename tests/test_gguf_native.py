@@ -64,6 +64,17 @@ def test_as_stored_computes_what_the_files_weights_in_fp32_compute(tiny_gguf):
     assert torch.equal(a.argmax(-1), b.argmax(-1))
 
 
+def test_the_cost_curves_step_bytes_count_the_files_blocks(tiny_gguf):
+    """`bench --cost-curve` on a GGUF: the linears' blocks (or their repacked copy) are what a
+    step reads, and the embedding, which reads rows from the file's blocks, has no `weight`."""
+    from specdec_core.tools.bench import step_bytes
+
+    stored = load_model(str(tiny_gguf), device="cpu", precision="gguf")
+    linears = [m for m in stored.model.modules() if isinstance(m, GGUFLinear)]
+    read = sum((m.packed if m.packed is not None else m.blocks).nbytes for m in linears)
+    assert step_bytes(stored.model).weights >= read > 0
+
+
 def test_as_stored_answers_exactly_as_the_target_alone_with_every_drafter(tiny_gguf):
     session = ChatSession()
     info = session.load(LoadSpec(target=str(tiny_gguf), draft="ngram", device="cpu", precision="gguf"))

@@ -42,10 +42,10 @@
 #define GROUP 32
 #define LANES 16
 /* Rows multiplied per pass over a block's weights: as many as the registers hold. */
-#ifdef V16_AVX512
-#define TILE 8
-#else
+#ifdef V16_SCALAR
 #define TILE 4
+#else
+#define TILE 8
 #endif
 /* Groups ahead to prefetch: far enough that a group's lines arrive before it is read, near
  * enough that they are not evicted first. With the weights in 2 MB pages (huge_pages.py) the
@@ -309,13 +309,58 @@ static inline __attribute__((always_inline)) void block_tile(
 
 #elif defined(V16_AVX2)
 /* AVX2. A block is two halves of 8 channels (bytes 32h..32h+31 of each 64-byte vector and
- * the half's scales), each taken over all the groups, so that a half's weights and its rows'
- * sums and accumulators fit in AVX2's 16 registers; the second half's bytes are still in
- * the cache. vpmaddubsw adds pairs of products into int16 lanes, exact while a lane stays
- * within int16: at 4 bits a group's 8 vectors together reach at most 8 x 2 x 15 x 128 =
- * 30,720, at 6 bits two vectors 2 x 2 x 63 x 128 = 32,256. vpmaddwd then adds neighbouring
- * lanes into the int32 sums vpdpbusd gives, and the float operations that follow are the
- * AVX-512 build's, lane for lane: the same numbers. */
+ * the half's scales), each taken over all the groups, so that a half's weights stay in the
+ * cache for its second pass. vpmaddubsw multiplies a weight vector by a row's 4 broadcast
+ * values and adds pairs of products into int16 lanes, exact while a lane stays within int16:
+ * at 4 bits a group's 8 vectors together reach at most 8 x 2 x 15 x 128 = 30,720, at 6 bits
+ * two vectors 2 x 2 x 63 x 128 = 32,256. vpmaddwd then adds neighbouring lanes into the int32
+ * sums vpdpbusd gives, and the float operations that follow are the AVX-512 build's, lane for
+ * lane: the same numbers.
+ *
+ * Without a dot-product instruction every row pays for its products in instructions
+ * (vpmaddubsw and an int16 add each), so nothing else is paid per row that can be paid once
+ * per tile: the tile's rows are innermost, each 64-byte vector's two weight vectors are
+ * unpacked once for all of them, and each row's running int16 (at 6 bits int32) sum stays
+ * in a register. Two weight vectors, TILE sums and a few temporaries fill AVX2's 16
+ * registers; the float accumulators, touched once a group, may wait in memory. */
+
+/* Vector t of a group's half as its two vectors of q values for 8 channels (inputs 8t..8t+3
+ * in `lo`, 8t+4..8t+7 in `hi`), at 6 bits with their top 2 bits: those of unpacked vectors
+ * 2t and 2t + 1 sit in vector t / 2 of the top bits, bits 2j..2j+1 for j = 2t % 4 and
+ * 2t % 4 + 1. 16-bit shifts move bits across bytes only into positions the masks clear. */
+static inline __attribute__((always_inline)) void unpack_pair(const uint8_t *blk, int bits, int t, int half,
+                                                              __m256i *lo, __m256i *hi) {
+    const __m256i nibble = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
+    __m256i packed = _mm256_loadu_si256((const __m256i *)(blk + 64 * t + 32 * half));
+    *lo = _mm256_and_si256(packed, nibble);
+    *hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
+    if (QBITS(bits) != 6) return;
+    __m256i high = _mm256_loadu_si256((const __m256i *)(blk + 256 + 64 * (t / 2) + 32 * half));
+    if (t % 2 == 0) {
+        *lo = _mm256_or_si256(*lo, _mm256_and_si256(_mm256_slli_epi16(high, 4), top));
+        *hi = _mm256_or_si256(*hi, _mm256_and_si256(_mm256_slli_epi16(high, 2), top));
+    } else {
+        *lo = _mm256_or_si256(*lo, _mm256_and_si256(high, top));
+        *hi = _mm256_or_si256(*hi, _mm256_and_si256(_mm256_srli_epi16(high, 2), top));
+    }
+}
+
+/* Vector t's products for one row: its two weight vectors times the row's values 8t..8t+7
+ * (x points at the row's group), added in int16 lanes. */
+static inline __attribute__((always_inline)) __m256i pair_products(__m256i lo, __m256i hi, const int8_t *x, int t) {
+    const int32_t *values = (const int32_t *)x;
+    return _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(values[2 * t])),
+                            _mm256_maddubs_epi16(hi, _mm256_set1_epi32(values[2 * t + 1])));
+}
+
+/* v, held in a register at this point. Integer sums may be reordered freely, and GCC would
+ * keep all of a group's products (in memory, past 16 registers) to add them at the end; this
+ * keeps each row's running sum in one register instead. */
+static inline __attribute__((always_inline)) __m256i in_register(__m256i v) {
+    __asm__("" : "+x"(v));
+    return v;
+}
+
 static inline __attribute__((always_inline)) void half_tile(
     const uint8_t *w, int64_t groups, const int8_t *q, const float *scale, const float *scaled_sum,
     const float *half_sum, int64_t k, int rows, int bits, const float *bias, float *y, int64_t n_out, int64_t col,
@@ -323,29 +368,13 @@ static inline __attribute__((always_inline)) void half_tile(
     __m256 acc[TILE];
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     const int64_t block_bytes = BLOCK_BYTES(bits);
-    const __m256i nibble = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30), ones = _mm256_set1_epi16(1);
-    const int per_sum = QBITS(bits) == 6 ? 2 : 8; /* vectors added in int16 before widening */
+    const __m256i ones = _mm256_set1_epi16(1);
     __m256 d = _mm256_setzero_ps(), dmin = _mm256_setzero_ps(); /* a K layout's, for 8 groups */
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *blk = GROUP_AT(w, g, bits);
         if (half == 0)
             for (int line = 0; line < block_bytes; line += 64)
                 _mm_prefetch((const char *)(blk + PREFETCH * block_bytes + line), _MM_HINT_T0);
-        __m256i wv[8];
-        for (int t = 0; t < 4; t++) {
-            __m256i packed = _mm256_loadu_si256((const __m256i *)(blk + 64 * t + 32 * half));
-            wv[2 * t] = _mm256_and_si256(packed, nibble);
-            wv[2 * t + 1] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
-        }
-        if (QBITS(bits) == 6) {
-            for (int h = 0; h < 2; h++) {
-                __m256i high = _mm256_loadu_si256((const __m256i *)(blk + 256 + 64 * h + 32 * half));
-                wv[4 * h] = _mm256_or_si256(wv[4 * h], _mm256_and_si256(_mm256_slli_epi16(high, 4), top));
-                wv[4 * h + 1] = _mm256_or_si256(wv[4 * h + 1], _mm256_and_si256(_mm256_slli_epi16(high, 2), top));
-                wv[4 * h + 2] = _mm256_or_si256(wv[4 * h + 2], _mm256_and_si256(high, top));
-                wv[4 * h + 3] = _mm256_or_si256(wv[4 * h + 3], _mm256_and_si256(_mm256_srli_epi16(high, 2), top));
-            }
-        }
         const uint8_t *scales = blk + Q_BYTES(bits);
         __m256 s, mn; /* at K6, mn is the second half's scale */
         if (bits & K_SCALES) {
@@ -367,25 +396,47 @@ static inline __attribute__((always_inline)) void half_tile(
             s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + 16 * half)));
             mn = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + 32 + 16 * half)));
         }
+        const int8_t *x = q + g * GROUP; /* row r's group at x + r * k */
+        __m256i sums[TILE];
+        /* Unrolled, so that each t's tests are resolved when compiled and the sums stay in registers. */
+        if (QBITS(bits) == 4) { /* the group's 8 vectors in int16, then widened once */
+#pragma GCC unroll 4
+            for (int t = 0; t < 4; t++) {
+                __m256i lo, hi;
+                unpack_pair(blk, bits, t, half, &lo, &hi);
+                for (int r = 0; r < rows; r++) {
+                    __m256i pair = pair_products(lo, hi, x + r * k, t);
+                    sums[r] = in_register(t ? _mm256_add_epi16(sums[r], pair) : pair);
+                }
+            }
+            for (int r = 0; r < rows; r++) sums[r] = _mm256_madd_epi16(sums[r], ones);
+        } else { /* two vectors at a time in int16; K6 keeps its halves (vectors 0..3, 4..7) apart */
+            __m256 first[TILE];
+#pragma GCC unroll 4
+            for (int t = 0; t < 4; t++) {
+                __m256i lo, hi;
+                unpack_pair(blk, bits, t, half, &lo, &hi);
+                int fresh = bits == K6 ? t % 2 == 0 : t == 0;
+                for (int r = 0; r < rows; r++) {
+                    __m256i wide = _mm256_madd_epi16(pair_products(lo, hi, x + r * k, t), ones);
+                    sums[r] = in_register(fresh ? wide : _mm256_add_epi32(sums[r], wide));
+                }
+                if (bits != K6 || t % 2 == 0) continue;
+                for (int r = 0; r < rows; r++) {
+                    float xs = 32.0f * half_sum[2 * (r * groups + g) + t / 2];
+                    __m256 part = _mm256_sub_ps(_mm256_cvtepi32_ps(sums[r]), _mm256_set1_ps(xs));
+                    if (t == 1) {
+                        first[r] = _mm256_mul_ps(part, s);
+                    } else {
+                        __m256 f = _mm256_fmadd_ps(part, mn, first[r]);
+                        acc[r] = _mm256_fmadd_ps(f, _mm256_set1_ps(scale[r * groups + g]), acc[r]);
+                    }
+                }
+            }
+            if (bits == K6) continue;
+        }
         for (int r = 0; r < rows; r++) {
-            const int32_t *xq = (const int32_t *)(q + r * k + g * GROUP);
-            __m256i sums[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}; /* K6: its halves apart */
-            for (int c = 0; c < 8; c += per_sum) {
-                __m256i pairs = _mm256_maddubs_epi16(wv[c], _mm256_set1_epi32(xq[c]));
-                for (int j = 1; j < per_sum; j++)
-                    pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(wv[c + j], _mm256_set1_epi32(xq[c + j])));
-                __m256i *sum = &sums[bits == K6 && c >= 4];
-                *sum = _mm256_add_epi32(*sum, _mm256_madd_epi16(pairs, ones));
-            }
-            if (bits == K6) {
-                const float *halves = half_sum + 2 * (r * groups + g);
-                __m256 h0 = _mm256_sub_ps(_mm256_cvtepi32_ps(sums[0]), _mm256_set1_ps(32.0f * halves[0]));
-                __m256 h1 = _mm256_sub_ps(_mm256_cvtepi32_ps(sums[1]), _mm256_set1_ps(32.0f * halves[1]));
-                __m256 f = _mm256_fmadd_ps(h1, mn, _mm256_mul_ps(h0, s));
-                acc[r] = _mm256_fmadd_ps(f, _mm256_set1_ps(scale[r * groups + g]), acc[r]);
-                continue;
-            }
-            __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(sums[0]), s);
+            __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(sums[r]), s);
             acc[r] = _mm256_fmadd_ps(f, _mm256_set1_ps(scale[r * groups + g]), acc[r]);
             acc[r] = _mm256_fmadd_ps(mn, _mm256_set1_ps(scaled_sum[r * groups + g]), acc[r]);
         }

@@ -20,6 +20,7 @@ import torch
 
 from ...kernels.cpu import huge_pages
 from ...kernels.cpu.draft_int4 import Int4Weights
+from ...kernels.cpu.gguf_blocks import GGUFLinear
 from ...kernels.cpu.quant_cpu import PerTokenInt8Linear
 from ...kernels.cpu.runner import CachedModel
 from ...kernels.cpu.threads import default_governor
@@ -105,9 +106,11 @@ def step_bytes(model: Any, context_tokens: int = 200) -> StepBytes:
     The input embedding contributes one row per token, not its table — unless the
     same tensor is also the LM head, which reads all of it. Our int8 linears keep
     their weights packed outside `parameters()`: counted from their shapes (int8
-    values, fp32 per-channel scales).
+    values, fp32 per-channel scales). A GGUF's linears hold their blocks (or their
+    repacked copy, which a step reads instead) outside them too, and its embedding
+    de-quantizes the rows it reads from the file's blocks (no `weight`).
     """
-    embedding = model.get_input_embeddings().weight
+    embedding = getattr(model.get_input_embeddings(), "weight", None)
     head = model.get_output_embeddings()
     head_weight = getattr(head, "weight", None)
     seen: set[int] = set()
@@ -124,6 +127,8 @@ def step_bytes(model: Any, context_tokens: int = 200) -> StepBytes:
             weights += module.few_rows.nbytes  # a step takes the 4-bit path (draft_int4)
         elif isinstance(module, PerTokenInt8Linear):
             weights += module.out_features * module.in_features + 4 * module.out_features
+        elif isinstance(module, GGUFLinear):
+            weights += (module.packed if module.packed is not None else module.blocks).nbytes
     return StepBytes(weights, _kv_bytes(model, context_tokens), context_tokens)
 
 
