@@ -8,7 +8,7 @@ signal what the user did.
 from __future__ import annotations
 
 import qtawesome as qta
-from PySide6.QtCore import Qt, Signal
+from PySide6.QtCore import QMimeData, Qt, Signal
 from PySide6.QtGui import QKeyEvent
 from PySide6.QtWidgets import (
     QDialog,
@@ -32,6 +32,11 @@ class PromptEdit(QPlainTextEdit):
 
     submitted = Signal()
     escaped = Signal()
+    pasted = Signal()  # text was pasted or dropped in (after it was inserted)
+
+    def insertFromMimeData(self, source: QMimeData) -> None:
+        super().insertFromMimeData(source)
+        self.pasted.emit()
 
     def keyPressEvent(self, event: QKeyEvent) -> None:
         if event.key() in (Qt.Key.Key_Return, Qt.Key.Key_Enter):
