@@ -81,6 +81,7 @@ class ChatController(QObject):
         models.modelReady.connect(self._on_model_ready)
         models.stateChanged.connect(self.update_controls)
         self.read_ahead = ReadAhead(prompt, self._read_ahead_request, self)
+        models.loadStarting.connect(self.read_ahead.stop)  # the load waits behind a running read
         self.generatingChanged.connect(self._on_generating_changed)
 
     def attach(self, worker: EngineWorker) -> None:
