@@ -142,3 +142,20 @@ def test_a_served_engine_reads_nothing_ahead():
     session = ChatSession()
     session._served = object()  # type: ignore[assignment]  # only its presence is read
     assert list(session.read_ahead(HISTORY, PASTE)) == []
+
+
+def test_a_seeded_sampled_answer_is_the_same_after_a_read_ahead(session):
+    sent = PASTE + "What does it print?"
+    params = GenerationParams(max_new_tokens=24, temperature=0.8, top_p=0.9, seed=7, draft_length=3)
+
+    def sampled() -> list[int]:
+        events = list(session.answer([*HISTORY, Message("user", sent)], params=params))
+        done = events[-1]
+        assert isinstance(done, DoneEvent)
+        return list(done.token_ids)
+
+    fresh(session)
+    expected = sampled()
+    fresh(session)
+    read_ahead(session, PASTE + "What does")
+    assert sampled() == expected
