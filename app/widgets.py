@@ -28,7 +28,8 @@ from . import theme
 
 
 class PromptEdit(QPlainTextEdit):
-    """The input box: Enter sends, Shift+Enter inserts a newline, Esc cancels an edit."""
+    """The input box: Enter sends, Shift+Enter inserts a newline, Esc cancels an edit; a paste
+    is signalled (the engine reads ahead at once, `read_ahead.py`)."""
 
     submitted = Signal()
     escaped = Signal()
