@@ -25,11 +25,12 @@ from .conversations import (
     title_from,
 )
 from .model_controller import ModelController
+from .read_ahead import ReadAhead
 from .settings import AppSettings
 from .side_panel import SidePanel, answer_footer
 from .token_view import TokenView
 from .widgets import EditBanner, PromptBox
-from .worker import EngineWorker, GenerateRequest, StreamBatch
+from .worker import EngineWorker, GenerateRequest, ReadAheadRequest, StreamBatch
 
 
 class ChatController(QObject):
@@ -79,6 +80,9 @@ class ChatController(QObject):
         models.loadStarting.connect(self.stop)
         models.modelReady.connect(self._on_model_ready)
         models.stateChanged.connect(self.update_controls)
+        self.read_ahead = ReadAhead(prompt, self._read_ahead_request, self)
+        models.loadStarting.connect(self.read_ahead.stop)  # the load waits behind a running read
+        self.generatingChanged.connect(self._on_generating_changed)
 
     def attach(self, worker: EngineWorker) -> None:
         """Wire this controller to the worker (before the worker's thread starts)."""
@@ -89,6 +93,7 @@ class ChatController(QObject):
         worker.streamed.connect(self._on_streamed)
         worker.answerDone.connect(self._on_answer_done)
         worker.generationFailed.connect(self._on_generation_failed)
+        self.read_ahead.attach(worker)
 
     @property
     def generating(self) -> bool:
@@ -128,6 +133,21 @@ class ChatController(QObject):
             self.view.render_messages(conversation.messages)
         self._start_generation()
 
+    def _read_ahead_request(self) -> ReadAheadRequest | None:
+        """What Send would read now, for a read ahead; None where nothing would be sent or
+        the engine is a server's (it reads after Send)."""
+        text = self.prompt_box.edit.toPlainText().strip()
+        pair = self.models.pair
+        if not text or not self.can_send() or pair is None or pair.server is not None:
+            return None
+        kept = self.conversation.messages[: self._editing]  # Send replaces an edited message onwards
+        history = tuple(Message(m.role, m.content) for m in kept)
+        return ReadAheadRequest(history, text, self.conversation.system_prompt or None)
+
+    def _on_generating_changed(self, generating: bool) -> None:
+        if not generating:
+            self.read_ahead.resume()
+
     def regenerate(self, index: int | None = None) -> None:
         """Answer again from the user message before answer `index` (default: the last answer)."""
         messages = self.conversation.messages
@@ -152,6 +172,7 @@ class ChatController(QObject):
         pair = self.models.pair
         self.view.begin_live("Assistant" if pair is None else f"Assistant · {pair.target_name}")
         self.statusChanged.emit("Generating…", 0)
+        self.read_ahead.stop()  # a read still running ends at its next chunk; the answer reuses it
         self.update_controls()
         self.generateRequested.emit(request)
 

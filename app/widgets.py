@@ -8,7 +8,7 @@ signal what the user did.
 from __future__ import annotations
 
 import qtawesome as qta
-from PySide6.QtCore import Qt, Signal
+from PySide6.QtCore import QMimeData, Qt, Signal
 from PySide6.QtGui import QKeyEvent
 from PySide6.QtWidgets import (
     QDialog,
@@ -28,10 +28,16 @@ from . import theme
 
 
 class PromptEdit(QPlainTextEdit):
-    """The input box: Enter sends, Shift+Enter inserts a newline, Esc cancels an edit."""
+    """The input box: Enter sends, Shift+Enter inserts a newline, Esc cancels an edit; a paste
+    is signalled (the engine reads ahead at once, `read_ahead.py`)."""
 
     submitted = Signal()
     escaped = Signal()
+    pasted = Signal()  # text was pasted or dropped in (after it was inserted)
+
+    def insertFromMimeData(self, source: QMimeData) -> None:
+        super().insertFromMimeData(source)
+        self.pasted.emit()
 
     def keyPressEvent(self, event: QKeyEvent) -> None:
         if event.key() in (Qt.Key.Key_Return, Qt.Key.Key_Enter):

@@ -20,6 +20,7 @@ from PySide6.QtWidgets import (
     QApplication,
     QDialog,
     QHBoxLayout,
+    QLabel,
     QMainWindow,
     QMessageBox,
     QSplitter,
@@ -129,6 +130,7 @@ class MainWindow(QMainWindow):
         self.stop_button = self.prompt_box.stop_button
         self.error_text = self.error_banner.text
         self.conversation_list = self.sidebar.list
+        self.read_ahead_label = QLabel(objectName="readAheadLabel")  # how far the box was read ahead
         self.gauges = self.side.gauges
         self.draft_menu = self.toolbar.draft_menu
 
@@ -220,6 +222,7 @@ class MainWindow(QMainWindow):
         self.splitter.setStretchFactor(1, 1)
         self.splitter.setSizes([210, 760, 290])
         self.setCentralWidget(self.splitter)
+        self.statusBar().addPermanentWidget(self.read_ahead_label)
         self.statusBar().showMessage("Starting…")
 
     def _connect_parts(self) -> None:
@@ -234,6 +237,7 @@ class MainWindow(QMainWindow):
         chat.conversationOpened.connect(self.conversationOpened)
         chat.errorRaised.connect(self.show_error)
         chat.statusChanged.connect(self.statusBar().showMessage)
+        chat.read_ahead.shown.connect(self.read_ahead_label.setText)
         chat.generatingChanged.connect(self._on_generating_changed)
         self.side.generation.systemPromptRequested.connect(self.edit_system_prompt)
         chat.refresh_list()

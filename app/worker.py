@@ -13,6 +13,9 @@ superqt's `GeneratorWorker` turns a generator's yields into signals:
 - batches go out at most every `EMIT_INTERVAL_S`, always ending on a `StepEvent`
   (tiny or fast models commit thousands of tokens a second, and a signal per
   token would flood the UI thread's event queue);
+- a read ahead (`read_ahead`) streams its `ReadAheadEvent`s with the request they
+  answer; its `stop` event ends it at the next chunk, so a queued Send waits at most
+  one chunk;
 - the abort flag is the request's `threading.Event`, which the session checks
   between steps and between a long prompt's chunks (and fetch/conversion between
   theirs), so Stop ends an answer at the next step or chunk with stop reason
@@ -89,6 +92,16 @@ class LoadRequest:
 
 
 @dataclass(frozen=True)
+class ReadAheadRequest:
+    """Read a conversation and the message being typed ahead of its Send (`read_ahead.py`)."""
+
+    messages: tuple[Message, ...]
+    typing: str
+    system: str | None
+    stop: threading.Event = field(default_factory=threading.Event, compare=False)
+
+
+@dataclass(frozen=True)
 class GenerateRequest:
     messages: tuple[Message, ...]
     system: str | None
@@ -107,6 +120,7 @@ class EngineWorker(QObject):
     streamed = Signal(object)  # StreamBatch: TokenEvents then the StepEvent that committed them
     answerDone = Signal(object)  # DoneEvent (its text holds no stop token)
     generationFailed = Signal(str)
+    readAhead = Signal(object, object)  # ReadAheadRequest, ReadAheadEvent: how far it has read
 
     def __init__(self, session: ChatSession | None = None) -> None:
         super().__init__()
@@ -160,6 +174,18 @@ class EngineWorker(QObject):
                 request.messages, system=request.system, params=request.params, cancel=request.cancel
             )
             self._forward(events)
+
+    @Slot(object)
+    def read_ahead(self, request: ReadAheadRequest) -> None:
+        """Read ahead until done or stopped; a failure is only logged: Send meets it again."""
+        if request.stop.is_set():
+            return  # superseded while it waited in the queue
+        with self._attempt(request.stop, lambda message: log.warning("reading ahead failed: %s", message)):
+            events = self.session.read_ahead(
+                request.messages, request.typing, system=request.system, stop=request.stop
+            )
+            for event in events:
+                self.readAhead.emit(request, event)
 
     @Slot()
     def release(self) -> None:

@@ -25,6 +25,7 @@ _EXPORTS = {
     "Event": "engine.events",
     "PrefillEvent": "engine.events",
     "ReadingEvent": "engine.events",
+    "ReadAheadEvent": "engine.events",
     "StepEvent": "engine.events",
     "TokenEvent": "engine.events",
     "DoneEvent": "engine.events",
@@ -62,6 +63,7 @@ __all__ = [
     "ModelEntry",
     "PrefillEvent",
     "Progress",
+    "ReadAheadEvent",
     "ReadingEvent",
     "SessionInfo",
     "SpecdecError",
@@ -73,7 +75,15 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from .engine.events import DoneEvent, Event, PrefillEvent, ReadingEvent, StepEvent, TokenEvent
+    from .engine.events import (
+        DoneEvent,
+        Event,
+        PrefillEvent,
+        ReadAheadEvent,
+        ReadingEvent,
+        StepEvent,
+        TokenEvent,
+    )
     from .engine.speculative import MAX_DRAFT_LENGTH, GenerationParams
     from .engine.stats import GenerationStats
     from .errors import Cancelled, SpecdecError

@@ -18,6 +18,9 @@ Contract:
   `OutOfMemory`, raised after the caches were reset, so the session stays usable.
   Anything unexpected is `InternalError` (exit code 1) with the cause chained.
 - `speculation_enabled` may be set from another thread; the engine reads it every step.
+- `read_ahead(messages, typing)` reads a conversation and the message being typed into
+  the caches while the user types; `answer` then reads only the rest. It never changes
+  an answer, whatever is sent after it.
 - `remember(conversations)` gives the drafter past conversations to copy from (the
   suffix index's library, docs/engine.md#drafters); it stays across answers and drafter
   swaps until replaced, and changes only speed.
@@ -41,7 +44,7 @@ from typing import Any
 import torch
 
 from .engine.drafters import NGRAM
-from .engine.events import DoneEvent, Event
+from .engine.events import DoneEvent, Event, ReadAheadEvent
 from .engine.selfcheck import ExactnessReport, check_exactness
 from .engine.speculative import MAX_DRAFT_LENGTH, GenerationParams, SpeculativeEngine
 from .engine.suffix_drafter import set_library
@@ -56,7 +59,7 @@ from .errors import (
     SpecdecError,
 )
 from .kernels.dispatch import step_label
-from .models.chat import Message, encode_chat, encode_text
+from .models.chat import Message, encode_chat, encode_text, settled_prefix
 from .models.compat import Compatibility, gguf_drafts_near, rate_draft
 from .models.loading import LoadedModel, load_model
 from .models.pair import DraftSpec, LoadedPair, load_draft, make_engine
@@ -339,6 +342,35 @@ class ChatSession:
         with _one_line_errors("preparing the chat"):
             prompt = encode_chat(pair.target.tokenizer, messages, system)
         return self._stream(prompt, params, cancel)
+
+    def read_ahead(
+        self,
+        messages: Sequence[Message],
+        typing: str,
+        *,
+        system: str | None = None,
+        stop: threading.Event | None = None,
+    ) -> Iterator[ReadAheadEvent]:
+        """Read `messages` and the settled start of `typing`, a user message still being
+        written, into the caches before it is sent (`models.chat.settled_prefix`); a set
+        `stop` ends the read at the next chunk, keeping what was read. It changes how soon
+        the answer starts, never the answer (`SpeculativeEngine.read_ahead`). A served
+        engine reads nothing ahead."""
+        if self._served is not None:
+            return iter(())
+        pair = self._require()
+        with _one_line_errors("preparing the chat"):
+            tokens = settled_prefix(pair.target.tokenizer, messages, typing, system)
+        limit = self.info.context_length if self.info is not None else None
+        if limit is not None:
+            tokens = tokens[: limit - 1]  # a prompt the model can hold keeps a last position free
+        return self._read_events(pair.engine, tokens, stop)
+
+    def _read_events(
+        self, engine: SpeculativeEngine, tokens: list[int], stop: threading.Event | None
+    ) -> Iterator[ReadAheadEvent]:
+        with _one_line_errors("reading ahead", on_oom=self._reset_caches):
+            yield from engine.read_ahead(tokens, stop)
 
     def complete(
         self, text: str, *, params: GenerationParams | None = None, cancel: threading.Event | None = None

@@ -19,7 +19,7 @@ import torch
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
 from PySide6.QtCore import QElapsedTimer, Qt, QTimer
-from PySide6.QtGui import QTextCursor
+from PySide6.QtGui import QGuiApplication, QTextCursor
 from specdec_app.main import build_main_window
 from specdec_app.settings import AppSettings
 from specdec_app.token_view import TOKEN_SOURCE, token_tooltip
@@ -477,3 +477,55 @@ def test_the_worker_forwards_core_events_in_batches_that_end_on_a_step(qapp, int
     worker.answerDone.connect(seen.append)
     worker._forward(iter(events))  # the events are the session's own objects, never re-typed
     assert seen == ["reading", "prefill", *batches, done]
+
+
+def test_a_paste_is_read_ahead_in_the_background_and_send_mid_read_keeps_the_answer(
+    qtbot, open_window, models, capsys
+):
+    window = open_window("--target", models["target"], "--draft", models["near"])
+    engine = window.worker.session.engine
+    engine.prefill_chunk = 16
+    window.side.generation.max_new_tokens.setValue(12)
+    parked, release = threading.Event(), threading.Event()
+    window.releases.append(release)
+    held: list[object] = []
+
+    def hold(request, event) -> None:  # runs in the worker thread, between two chunks of the read
+        if event.cached >= 32 and not held:
+            held.append(event)
+            parked.set()
+            release.wait(60)
+
+    window.worker.readAhead.connect(hold, Qt.ConnectionType.DirectConnection)
+    prefills: list[object] = []
+    window.worker.prefilled.connect(prefills.append, Qt.ConnectionType.DirectConnection)
+    paste = PROMPT + "\n    return a + b\n" + "for i in range(10):\n    print(i * i)\n" * 6
+    QGuiApplication.clipboard().setText(paste)
+    qtbot.keyClick(window.prompt, Qt.Key.Key_V, Qt.KeyboardModifier.ControlModifier)
+    assert parked.wait(60)  # the paste started a read at once, in the worker thread
+    qtbot.waitUntil(lambda: window.read_ahead_label.text().startswith("reading ahead: "), timeout=5000)
+    # The worker is held inside the read: the UI types and sends without waiting for it.
+    qtbot.keyClicks(window.prompt, "What does it print?")
+    assert window.prompt.toPlainText().endswith("What does it print?")
+    with qtbot.waitSignal(window.answerFinished, timeout=ANSWER_TIMEOUT_MS):
+        qtbot.keyClick(window.prompt, Qt.Key.Key_Return)
+        assert window.read_ahead_label.text() == ""  # Send stopped the read
+        release.set()
+    assert prefills[-1].reused_tokens >= held[0].cached  # the answer kept what was read
+
+    message = (paste + "What does it print?").strip()
+    reference = _generate_json(
+        capsys, "--target", models["target"], "--draft", models["near"], "--prompt", message,
+        "--max-new-tokens", "12",
+    )  # fmt: skip
+    assert window.live_token_ids() == [t["id"] for t in reference["tokens"]]
+
+
+def test_a_typing_pause_reads_the_message_ahead_and_the_label_says_so(qtbot, open_window, models):
+    window = open_window("--target", models["target"], "--draft", models["near"])
+    requests: list[object] = []
+    window.chat.read_ahead.requested.connect(requests.append)
+    qtbot.keyClicks(window.prompt, "Write a loop that prints the squares")
+    qtbot.waitUntil(lambda: window.read_ahead_label.text().startswith("read "), timeout=10_000)
+    assert len(requests) == 1  # one read after the pause, none per keystroke
+    assert window.read_ahead_label.text().endswith(" tokens ahead")

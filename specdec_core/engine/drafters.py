@@ -7,6 +7,8 @@ One small interface (after transformers' candidate generators), `DraftStrategy`:
 - `observe(draft, accepted, committed, greedy)`: the verdict, for its controllers;
 - `sync(tokens)`: the committed tokens after a verify; drop any state past them;
 - `runners()`: the draft models it runs, so calibration can time them;
+- `caches_for(tokens)`: each draft cache and what it should hold to have read `tokens`
+  (the start of a prompt still being written, `SpeculativeEngine.read_ahead`);
 - `seconds_per_token()`: what drafting one token costs it, as measured.
 
 `NoDrafter` proposes nothing (speculation off, measured through the same engine),
@@ -108,6 +110,8 @@ class DraftStrategy(Protocol):
 
     def runners(self) -> tuple[Runner, ...]: ...
 
+    def caches_for(self, tokens: Sequence[int]) -> list[tuple[Runner, Sequence[int]]]: ...
+
     def seconds_per_token(self) -> float: ...
 
 
@@ -158,6 +162,9 @@ class NoDrafter:
     def runners(self) -> tuple[Runner, ...]:
         return ()
 
+    def caches_for(self, tokens: Sequence[int]) -> list[tuple[Runner, Sequence[int]]]:
+        return []
+
     def seconds_per_token(self) -> float:
         return 0.0
 
@@ -199,6 +206,9 @@ class LookupDrafter:
 
     def runners(self) -> tuple[Runner, ...]:
         return ()
+
+    def caches_for(self, tokens: Sequence[int]) -> list[tuple[Runner, Sequence[int]]]:
+        return []
 
     def seconds_per_token(self) -> float:
         return 0.0  # microseconds
@@ -335,6 +345,12 @@ class ModelDrafter:
 
     def runners(self) -> tuple[Runner, ...]:
         return (self.runner,)
+
+    def caches_for(self, tokens: Sequence[int]) -> list[tuple[Runner, Sequence[int]]]:
+        """The whole of `tokens` for the one cache: read ahead, a long prompt needs no window."""
+        if self.window_start:
+            self.reset()
+        return [(self.runner, tokens)]
 
     def seconds_per_token(self) -> float:
         return self.costs.draft_token or 0.0
@@ -533,6 +549,9 @@ class LookupThenModelDrafter:
 
     def runners(self) -> tuple[Runner, ...]:
         return self.model.runners()
+
+    def caches_for(self, tokens: Sequence[int]) -> list[tuple[Runner, Sequence[int]]]:
+        return self.model.caches_for(tokens)
 
     def seconds_per_token(self) -> float:
         return self.model.seconds_per_token()

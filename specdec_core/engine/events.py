@@ -48,6 +48,18 @@ class ReadingEvent:
 
 
 @dataclass(frozen=True)
+class ReadAheadEvent:
+    """A read ahead of a message still being typed (`SpeculativeEngine.read_ahead`): the
+    target's cache holds `cached` of the `total` tokens it reads.
+
+    Sent once before the first chunk, then after each chunk the target reads.
+    """
+
+    cached: int
+    total: int
+
+
+@dataclass(frozen=True)
 class TokenEvent:
     """One committed token; `text` is the text it adds (may be "" mid-character)."""
 

@@ -35,7 +35,16 @@ from .acceptance import Verdict, accept_greedy, accept_sampled, at_tokens
 from .adaptive import CostModel
 from .detok import IncrementalDetokenizer
 from .drafters import EMPTY_DRAFT, NONE, Draft, DraftPlan, DraftStrategy, NoDrafter
-from .events import DoneEvent, Event, PrefillEvent, ReadingEvent, Source, StepEvent, TokenEvent
+from .events import (
+    DoneEvent,
+    Event,
+    PrefillEvent,
+    ReadAheadEvent,
+    ReadingEvent,
+    Source,
+    StepEvent,
+    TokenEvent,
+)
 from .sampling import SamplingParams
 from .stats import GenerationStats, StatsAccumulator
 
@@ -198,6 +207,29 @@ class SpeculativeEngine:
         shown = new_ids[:-1] if new_ids and new_ids[-1] in self.stop_token_ids else new_ids
         yield DoneEvent(token_ids=new_ids, text=self._decode(shown), stats=self._stats(run))
 
+    def read_ahead(self, tokens: Sequence[int], stop: threading.Event | None = None) -> Iterator[ReadAheadEvent]:
+        """Read `tokens`, the start of a prompt still being written, into the target's cache and
+        then the draft's, a chunk at a time, so that `generate` finds them cached.
+
+        A set `stop` ends the read at the next chunk boundary; what was read stays cached.
+        The caches keep only the prefix they share with `tokens`, and `generate` keeps only
+        the prefix they share with its prompt, so a read ahead of text that was then edited
+        or of another conversation changes what is reused, never the answer. It reads only
+        where chunks give the numbers of one forward (`_prefill_chunk`): elsewhere a prompt
+        read in two parts could differ from one read whole, so nothing is read ahead."""
+        chunk = self._prefill_chunk()
+        if chunk is None or not tokens:
+            return
+        cached = self.target.sync(tokens)
+        yield ReadAheadEvent(cached=cached, total=len(tokens))
+        for _ in _read_in_chunks(self.target, tokens, chunk, stop):
+            yield ReadAheadEvent(cached=len(self.target.ids), total=len(tokens))
+        if stop is not None and stop.is_set():
+            return
+        for runner, view in self.drafter.caches_for(tokens):
+            for _ in _read_in_chunks(runner, view, chunk, stop):
+                pass
+
     # -- steps ------------------------------------------------------------------
 
     def _prefill(
@@ -357,6 +389,20 @@ class SpeculativeEngine:
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def _read_in_chunks(
+    runner: Runner, tokens: Sequence[int], chunk: int, stop: threading.Event | None
+) -> Iterator[None]:
+    """Forward what `runner`'s cache lacks of `tokens`, `chunk` tokens at a time, yielding
+    after each; a set `stop` ends it before the next chunk."""
+    cached = runner.sync(tokens)
+    for first in range(cached, len(tokens), chunk):
+        if stop is not None and stop.is_set():
+            return
+        default_governor().maybe_adjust()  # as in _prefill: each chunk follows the machine's load
+        runner.forward(tokens[first : first + chunk], logits_to_keep=1)
+        yield
 
 
 def _emit(run: StatsAccumulator, event: Event) -> Iterator[Event]:

@@ -80,6 +80,31 @@ def encode_chat(
     return encode_text(tokenizer, text)
 
 
+def settled_prefix(
+    tokenizer: Any, messages: Sequence[Message], typing: str, system: str | None = None
+) -> list[int]:
+    """The tokens a prompt will start with once `typing`, a user message still being written,
+    is sent after `messages`, whatever is typed after it.
+
+    The word being typed is left out (text up to the last whitespace), then the tokens that
+    change when more text follows (the template's end of turn, found by rendering `typing`
+    followed by a probe), and `SETTLE_MARGIN` more: byte-pair merges may join a boundary's
+    whitespace or punctuation with what comes next. A prefix that still turns out wrong
+    costs only reuse: the engine keeps the part a cache shares with the final prompt."""
+    head = typing.rstrip()
+    head = head[: max(head.rfind(" "), head.rfind("\n"), 0)]
+    now = encode_chat(tokenizer, [*messages, Message("user", head)], system)
+    later = encode_chat(tokenizer, [*messages, Message("user", head + SETTLE_PROBE)], system)
+    shared = next((i for i, (a, b) in enumerate(zip(now, later, strict=False)) if a != b), len(now))
+    return now[: max(0, shared - SETTLE_MARGIN)]
+
+
+# What settled_prefix renders after the text to see where the text's tokens end.
+SETTLE_PROBE = " x"
+# Tokens dropped before that end: a merge across the boundary reaches back one or two.
+SETTLE_MARGIN = 2
+
+
 def encode_text(tokenizer: Any, text: str, *, add_special_tokens: bool = True) -> list[int]:
     """Token ids of plain text (a `--raw` prompt, or a rendered template)."""
     check_text(text, "the prompt")
