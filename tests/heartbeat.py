@@ -37,6 +37,9 @@ class Lateness:
     late_running_ms: float
     late_waiting_for_core_ms: float
     late_asleep_ms: float
+    # The latest beat's gap, split the same way: was the worst stall our work or the machine's?
+    worst_running_ms: float
+    worst_waiting_for_core_ms: float
 
     def within(self, p95_ms: float, max_ms: float) -> bool:
         return self.p95_ms <= p95_ms and self.max_ms <= max_ms
@@ -118,6 +121,7 @@ class _Beats:
     def lateness(self, tokens: int, tokens_per_second: float) -> Lateness:
         late = [max(0.0, wall - HEARTBEAT_MS) for wall, _, _ in self.gaps] or [0.0]
         slow = [gap for gap in self.gaps if gap[0] - HEARTBEAT_MS > LATE_MS]
+        worst = max(self.gaps, default=(0.0, 0.0, 0.0))
         return Lateness(
             p50_ms=round(percentile(late, 0.5), 1),
             p95_ms=round(percentile(late, 0.95), 1),
@@ -129,6 +133,8 @@ class _Beats:
             late_running_ms=round(sum(g[1] for g in slow), 1),
             late_waiting_for_core_ms=round(sum(g[2] for g in slow), 1),
             late_asleep_ms=round(sum(g[0] - g[1] - g[2] for g in slow), 1),
+            worst_running_ms=round(worst[1], 1),
+            worst_waiting_for_core_ms=round(worst[2], 1),
         )
 
 

@@ -86,7 +86,8 @@ def fresh_window(qtbot, tmp_path, monkeypatch, pair) -> Callable[..., MainWindow
 def _report(runs: list[Lateness]) -> str:
     return "; ".join(
         f"p95 {r.p95_ms} max {r.max_ms} ms ({r.late_beats} late: running {r.late_running_ms:.0f},"
-        f" waiting for a core {r.late_waiting_for_core_ms:.0f}, asleep {r.late_asleep_ms:.0f} ms)"
+        f" waiting for a core {r.late_waiting_for_core_ms:.0f}, asleep {r.late_asleep_ms:.0f} ms;"
+        f" the latest: running {r.worst_running_ms:.0f}, waiting for a core {r.worst_waiting_for_core_ms:.0f} ms)"
         for r in runs
     )
 
