@@ -14,6 +14,7 @@ the last test shows that a stall of 150 ms fails the bound.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import os
 import time
@@ -137,3 +138,11 @@ def test_a_ui_thread_stalled_when_the_first_code_block_opens_fails_the_bound(fre
     assert stalled
     assert not lateness.within(MAX_P95_MS, MAX_LATE_MS)
     assert lateness.max_ms >= STALL_S * 1000 - 20, _report([lateness])
+
+
+def test_what_a_load_leaves_alive_is_kept_out_of_later_collections(fresh_window):
+    """A full collection on the UI thread walks only what was allocated since the load,
+    not the imports and the pair (gc_guard.freeze_long_lived)."""
+    fresh_window(8)
+    assert gc.get_freeze_count() > 100_000  # torch, transformers, Qt and the pair
+    assert len(gc.get_objects()) < gc.get_freeze_count() // 10
