@@ -24,7 +24,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -164,10 +164,25 @@ class Conversation:
         return cls(id=uuid.uuid4().hex[:12], system_prompt=system_prompt)
 
     def to_json(self) -> dict[str, Any]:
-        plain = asdict(self)
-        plain["messages"] = [m.to_json() for m in self.messages]
-        plain["version"] = FORMAT_VERSION
-        return plain
+        # Field by field: dataclasses.asdict would deep-copy every token only to be replaced.
+        return {
+            "id": self.id,
+            "title": self.title,
+            "system_prompt": self.system_prompt,
+            "created": self.created,
+            "updated": self.updated,
+            "messages": [m.to_json() for m in self.messages],
+            "version": FORMAT_VERSION,
+        }
+
+    def file_text(self) -> str:
+        """The file's JSON, one message a line. Each line is one call of json's C encoder
+        (an indented dump runs its pure-Python one), so saving a long conversation in the
+        background never holds the GIL for long while the UI thread draws."""
+        data = self.to_json()
+        messages = ",\n".join(json.dumps(m, ensure_ascii=False) for m in data.pop("messages"))
+        fields = [f" {json.dumps(k)}: {json.dumps(v, ensure_ascii=False)}" for k, v in data.items()]
+        return "{\n" + ",\n".join([*fields, f' "messages": [\n{messages}\n ]']) + "\n}\n"
 
     @classmethod
     def from_json(cls, data: Any, conversation_id: str) -> Conversation:
@@ -229,7 +244,7 @@ class ConversationStore:
         """Write atomically; ConversationError (the file on disk unchanged) when the disk refuses."""
         target = self.path(conversation.id)
         conversation.updated = time.time()
-        text = json.dumps(conversation.to_json(), ensure_ascii=False, indent=1)
+        text = conversation.file_text()
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=".json", dir=self.root)

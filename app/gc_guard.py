@@ -7,6 +7,14 @@ closed window, a dialog, a connected lambda), Qt destroys it from the wrong thre
 and the process segfaults (seen as a crash inside `from_pretrained` after a window
 was closed). So automatic collection is switched off and the UI thread collects on
 a timer, the pattern pyqtgraph's GarbageCollector uses for the same reason.
+
+A full collection walks every tracked object, and after the imports (torch,
+transformers, Qt) and a model load there are hundreds of thousands: such a
+collection holds the UI thread for a few hundred milliseconds, a visible stutter
+when it lands in an answer (issue #57). So what is alive once a load has ended is
+collected once and frozen (`gc.freeze`): later collections walk only what was
+allocated since. A new load thaws it first, so that the pair it replaces can be
+collected.
 """
 
 from __future__ import annotations
@@ -38,6 +46,19 @@ def collect_due() -> None:
         if counts[generation] > thresholds[generation]:
             gc.collect(generation)
             return
+
+
+def freeze_long_lived() -> None:
+    """Collect everything once, then keep the survivors out of later collections: call on
+    the UI thread when a load has ended (its objects live as long as the pair)."""
+    gc.collect()
+    gc.freeze()
+
+
+def thaw() -> None:
+    """Let collections walk the frozen objects again: call when a load begins, so that
+    the pair it replaces is collected even where it is held by reference cycles."""
+    gc.unfreeze()
 
 
 _guard: UiThreadGarbageCollector | None = None

@@ -15,7 +15,7 @@ from PySide6.QtCore import QObject, Signal
 
 from specdec_core import Compatibility, SessionInfo
 
-from . import catalog_info
+from . import catalog_info, gc_guard
 from .model_toolbar import DRAFT_LABELS, ModelToolbar, ask_llama_server, short_ref
 from .settings import AppSettings
 from .widgets import LoadPanel
@@ -117,6 +117,7 @@ class ModelController(QObject):
         )
 
     def _begin_loading(self, request: LoadRequest) -> None:
+        gc_guard.thaw()  # the pair being replaced may sit in reference cycles
         self._loading = request
         self.load_panel.begin(f"Loading {short_ref(request.target)}…")
         self.statusChanged.emit("Loading models…")
@@ -161,6 +162,7 @@ class ModelController(QObject):
 
     # -- answers from the worker ------------------------------------------------------------
     def _on_loaded(self, info: SessionInfo) -> None:
+        gc_guard.freeze_long_lived()  # before the first answer, so no collection walks the pair
         self._loading = None
         self.pair = info
         self.target, self.draft = info.target, info.draft
@@ -177,6 +179,7 @@ class ModelController(QObject):
         self.modelReady.emit(info)
 
     def _end_loading(self, status: str) -> None:
+        gc_guard.freeze_long_lived()
         self._loading = None
         self.load_panel.hide()
         self.statusChanged.emit(status)

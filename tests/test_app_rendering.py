@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import gc
 import os
-import random
 import time
 from collections.abc import Callable
 
@@ -24,6 +23,7 @@ import pytest
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
+from answers import answer
 from PySide6.QtCore import QElapsedTimer, Qt, QTimer
 from PySide6.QtGui import QColor
 from specdec_app import gc_guard, highlight
@@ -36,45 +36,6 @@ from specdec_app.token_view import TOKEN_SOURCE, TokenView
 MAX_UI_GAP_MS = 50.0
 TRIES = 3
 RENDER_TIMEOUT_MS = 120_000
-SOURCES = ("accepted", "accepted", "accepted", "corrected", "bonus", "target")
-PROSE = [
-    "the",
-    "model",
-    "writes",
-    "a",
-    "**bold**",
-    "claim",
-    "and",
-    "some",
-    "`inline",
-    "code`",
-    "then",
-    "explains",
-    "it",
-]
-CODE = ["def", " area", "(r", "):", "\n    return", " 3.14", " *", " r", " **", " 2", "\n"]
-
-
-def answer_tokens(count: int, seed: int = 0) -> list[StoredToken]:
-    """`count` tokens of a plausible answer: paragraphs, a heading, lists and Python fences."""
-    rng = random.Random(seed)
-    texts: list[str] = []
-    while len(texts) < count:
-        kind = rng.choice(("prose", "prose", "list", "code", "heading"))
-        if kind == "prose":
-            texts += [" " + rng.choice(PROSE) for _ in range(rng.randint(8, 40))] + [".\n\n"]
-        elif kind == "list":
-            texts += ["- item", " " + rng.choice(PROSE), "\n"] * rng.randint(2, 5) + ["\n"]
-        elif kind == "code":
-            texts += ["```", "python\n", *CODE * rng.randint(1, 4), "```\n\n"]
-        else:
-            texts += ["## ", "Section", "\n"]
-    return [StoredToken(text, rng.choice(SOURCES), i // 3, 0.5, 0.25) for i, text in enumerate(texts[:count])]
-
-
-def answer(count: int, seed: int = 0) -> StoredMessage:
-    tokens = answer_tokens(count, seed)
-    return StoredMessage("assistant", "".join(t.text for t in tokens), tokens=tokens, footer="Draft: test")
 
 
 class Heartbeat:

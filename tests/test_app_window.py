@@ -1,5 +1,5 @@
 """The chat window end to end on tiny models: streaming, provenance, stop, toggle, menus,
-persistence, and a UI thread that never stalls. Waits on signals, never sleeps.
+persistence. Waits on signals, never sleeps (the UI thread's timing: test_app_latency.py).
 
 A worker paused inside its first token batch (`PausedWorker`) makes "mid-generation"
 deterministic: the UI acts while the engine is held between two steps.
@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,7 @@ import torch
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
-from PySide6.QtCore import QElapsedTimer, Qt, QTimer
+from PySide6.QtCore import QElapsedTimer, Qt
 from PySide6.QtGui import QGuiApplication, QTextCursor
 from specdec_app.main import build_main_window
 from specdec_app.settings import AppSettings
@@ -32,9 +31,6 @@ from specdec_core.tools import cli
 LOAD_TIMEOUT_MS = 120_000  # generous: a loaded 2-core CI machine imports and loads slowly
 ANSWER_TIMEOUT_MS = 120_000
 PROMPT = "def add(a, b):"
-# Wall-clock lateness of the UI heartbeat during an answer (see its test).
-MAX_LATE_P95_MS = 100.0
-MAX_LATE_MS = 300.0
 
 
 def _save(model, tokenizer, folder: Path) -> str:
@@ -329,43 +325,6 @@ def test_conversations_survive_a_restart(qtbot, open_window, models):
     assert titles == ["Kept"]
     again.delete_conversation(conversation_id)
     assert again.conversation_list.count() == 0 and again.conversation.messages == []
-
-
-def test_ui_thread_heartbeat_stays_on_time_in_wall_clock_during_an_answer(qtbot, open_window, models):
-    """What a user sees: a 20 ms timer on the UI thread arrives on time while a tiny model
-    streams hundreds of tokens a second (the most signals and redraws per second). Wall
-    clock, so time the UI thread waits for a core or for the GIL counts; the bounds leave
-    room for a loaded 2-core machine (scripts/ui-latency measures the same)."""
-    window = open_window("--target", models["chatty"], "--draft", "ngram")
-    window.worker.emit_interval_s = 0.03  # the real app's pace
-    window.side.generation.max_new_tokens.setValue(300)
-    interval_ms = 20
-    clock = QElapsedTimer()
-    late: list[float] = []
-    last = [0.0]
-
-    def beat() -> None:
-        now = clock.nsecsElapsed() / 1e6
-        late.append(max(0.0, now - last[0] - interval_ms))
-        last[0] = now
-
-    timer = QTimer(window)
-    timer.setTimerType(Qt.TimerType.PreciseTimer)
-    timer.setInterval(interval_ms)
-    timer.timeout.connect(beat)
-    clock.start()
-    timer.start()
-    started = time.perf_counter()
-    message = _send(qtbot, window, PROMPT)
-    timer.stop()
-    beat()  # the time since the last beat counts too: a flooded event loop may run no timer at all
-    assert len(message.tokens) == 300
-    elapsed = time.perf_counter() - started
-    assert elapsed >= 5 * interval_ms / 1000, f"generation too short to measure ({elapsed:.2f}s)"
-    ordered = sorted(late)
-    p95 = ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]
-    assert p95 <= MAX_LATE_P95_MS, f"heartbeat p95 late by {p95:.0f} ms: {[round(x) for x in late]}"
-    assert ordered[-1] <= MAX_LATE_MS, f"heartbeat late by {ordered[-1]:.0f} ms: {[round(x) for x in late]}"
 
 
 def test_a_mistyped_last_conversation_is_a_message_and_the_app_still_starts(qtbot, open_window, models, tmp_path):

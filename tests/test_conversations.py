@@ -126,6 +126,16 @@ def test_a_round_trip_keeps_every_field_and_writes_the_file_name_as_id(store):
     assert json.loads(store.path(conversation.id).read_text(encoding="utf-8"))["id"] == conversation.id
 
 
+def test_the_file_holds_one_message_a_line_so_a_save_encodes_a_message_at_a_time(store):
+    conversation = Conversation.new()
+    conversation.messages += [StoredMessage("user", "a\nb"), StoredMessage("assistant", "c", [StoredToken("c", "target", 1)])]
+    store.save(conversation)
+    text = store.path(conversation.id).read_text(encoding="utf-8")
+    assert json.loads(text) == conversation.to_json()
+    rows = [json.loads(line.rstrip(",")) for line in text.splitlines() if line.startswith('{"role"')]
+    assert rows == [m.to_json() for m in conversation.messages]
+
+
 def test_a_full_disk_is_one_line_and_keeps_the_saved_file(store, monkeypatch):
     conversation = Conversation.new()
     conversation.messages.append(StoredMessage("user", "kept"))
