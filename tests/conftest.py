@@ -15,7 +15,7 @@ from specdec_core import prepare_process
 
 prepare_process()  # as the product's entry points do, before torch loads
 
-from tiny import tiny_model, tiny_tokenizer  # noqa: E402 (torch loads after prepare_process)
+from tiny import perturbed, tiny_model, tiny_tokenizer  # noqa: E402 (torch loads after prepare_process)
 
 
 @pytest.fixture(scope="session")
@@ -33,6 +33,15 @@ def tiny_folder(tmp_path_factory, tokenizer, target) -> Path:
     """An HF folder (config, safetensors, tokenizer) holding the tiny target."""
     folder = tmp_path_factory.mktemp("tiny-target")
     target.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def sibling_folder(tmp_path_factory, tokenizer, target) -> Path:
+    """Another model of the same vocabulary (a perturbed copy of the target): a draft."""
+    folder = tmp_path_factory.mktemp("sibling")
+    perturbed(target, 0.05).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
 

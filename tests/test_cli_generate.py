@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tiny import hf_greedy, perturbed, tiny_model, tiny_tokenizer
+from tiny import hf_greedy, tiny_model, tiny_tokenizer
 
 from specdec_core.tools.cli import main
 
@@ -16,15 +16,6 @@ from specdec_core.tools.cli import main
 def generate_json(capsys, *args: str) -> dict:
     assert main(["generate", *args, "--json", "--precision", "fp32", "--device", "cpu"]) == 0
     return json.loads(capsys.readouterr().out)
-
-
-@pytest.fixture(scope="module")
-def sibling_folder(tmp_path_factory, tokenizer, target) -> Path:
-    """Another model of the same vocabulary (a perturbed copy of the target)."""
-    folder = tmp_path_factory.mktemp("sibling")
-    perturbed(target, 0.05).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
 
 
 @pytest.mark.parametrize("draft", ["same", "sibling", "ngram", "none"])

@@ -4,10 +4,8 @@ whatever was typed, deleted or sent meanwhile; only the reuse changes."""
 from __future__ import annotations
 
 import threading
-from pathlib import Path
 
 import pytest
-from tiny import perturbed
 
 from specdec_core.engine.events import DoneEvent, PrefillEvent, ReadAheadEvent
 from specdec_core.engine.speculative import GenerationParams
@@ -17,14 +15,6 @@ from specdec_core.session import ChatSession, LoadSpec
 GREEDY = GenerationParams(max_new_tokens=24)
 HISTORY = [Message("user", "def add(a, b):"), Message("assistant", "    return a + b")]
 PASTE = "for i in range(10):\n    print(i * i)\n\nThe quick brown fox jumps over the lazy dog. "
-
-
-@pytest.fixture(scope="module")
-def sibling_folder(tmp_path_factory, tokenizer, target) -> Path:
-    folder = tmp_path_factory.mktemp("sibling")
-    perturbed(target, 0.05).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +46,9 @@ def without_read_ahead(session: ChatSession, text: str) -> list[int]:
     return tokens
 
 
-def read_ahead(session: ChatSession, typing: str, stop: threading.Event | None = None) -> list[ReadAheadEvent]:
+def read_ahead(
+    session: ChatSession, typing: str, stop: threading.Event | None = None
+) -> list[ReadAheadEvent]:
     return list(session.read_ahead(HISTORY, typing, stop=stop))
 
 

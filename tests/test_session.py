@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny import hf_greedy, perturbed, tiny_model, tiny_tokenizer
+from tiny import hf_greedy, tiny_model, tiny_tokenizer
 
 from specdec_core import session as session_module
 from specdec_core.engine.events import DoneEvent, TokenEvent
@@ -25,14 +25,6 @@ from specdec_core.models.chat import Message
 from specdec_core.session import ChatSession, LoadSpec, check_params
 
 GREEDY = GenerationParams(max_new_tokens=16)
-
-
-@pytest.fixture(scope="module")
-def sibling_folder(tmp_path_factory, tokenizer, target) -> Path:
-    folder = tmp_path_factory.mktemp("sibling")
-    perturbed(target, 0.05).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
 
 
 @pytest.fixture(scope="module")
@@ -233,7 +225,9 @@ def test_parameters_out_of_range_are_refused_naming_the_range(field, value, allo
     assert allowed in str(err.value)
 
 
-def test_remembered_conversations_reach_the_drafters_library_and_survive_a_draft_swap(tiny_folder, sibling_folder):
+def test_remembered_conversations_reach_the_drafters_library_and_survive_a_draft_swap(
+    tiny_folder, sibling_folder
+):
     session = ChatSession()
     session.load(LoadSpec(target=str(tiny_folder), draft="suffix", device="cpu", precision="fp32"))
     past = [[Message("user", "Write a loop."), Message("assistant", "for i in range(3):\n    print(i)")]]
