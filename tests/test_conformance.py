@@ -51,6 +51,7 @@ def drafters(draft_model) -> dict[str, object]:
         "model": ModelDrafter(draft_model, "draft"),
         "ngram": NgramDrafter(),
         "lookup+model": LookupThenModelDrafter(ModelDrafter(draft_model, "draft")),
+        "cascade": LookupThenModelDrafter(ModelDrafter(draft_model, "draft"), cascade=True),
         "suffix": SuffixDrafter(),
         "suffix+model": LookupThenModelDrafter(ModelDrafter(draft_model, "draft"), SuffixDrafter(min_match=2)),
     }

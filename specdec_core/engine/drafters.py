@@ -16,7 +16,7 @@ One small interface (after transformers' candidate generators), `DraftStrategy`:
 `ModelDrafter` runs a small LM with its own KV cache,
 `LookupThenModelDrafter` (policy.py) picks per step between copies (`NgramDrafter` or
 `suffix_drafter.SuffixDrafter`, any `Lookup`) and the model, by expected
-tokens per second. The engine never looks inside a strategy. (Just over 400 lines:
+tokens per second; with `cascade`, greedy copies are checked by the model first. The engine never looks inside a strategy. (Just over 400 lines:
 the four strategies share one interface and read best side by side.)
 """
 
@@ -52,6 +52,7 @@ class DraftSource(str, Enum):
     MODEL = "model"  # drafted by the draft model
     LOOKUP_MODEL = "lookup+model"  # a lookup run extended by the draft model
     MODEL_LOOKUP = "model+lookup"  # model tokens after which copying resumed (maybe copies first too)
+    CASCADE = "cascade"  # copies the draft model checked, then its own tokens (`LookupThenModelDrafter`)
 
 
 @dataclass(frozen=True)
@@ -401,22 +402,29 @@ class ModelDrafter:
         generator: torch.Generator | None,
         reach: float = 1.0,
         handoff: Callable[[Sequence[int]], bool] | None = None,
+        after: torch.Tensor | None = None,
     ) -> Draft:
         """Up to k tokens continuing `tokens`; `reach` is the chance the first is even checked.
 
         `handoff(drafted)`, asked after each token, ends the draft where it returns True
-        (something cheaper takes over from there), before the next forward is paid."""
+        (something cheaper takes over from there), before the next forward is paid.
+        `after`: the logits that follow `tokens`, all of which the cache then holds (from
+        `check`), so the first token costs no forward."""
         self._confidences = []
-        self._forward_times = []
+        if after is None:
+            self._forward_times = []  # else they hold the check's forward
         if k <= 0:
             return Draft(tokens=[], probs=None, seconds=0.0)
         start = time.perf_counter()
         forwards_before = self.runner.forwards
-        seen, cached = self._window(tokens)
-        # Catch up on committed tokens the cache lacks (e.g. the last draft token and
-        # the bonus token after an all-accepted step), then draft one token per forward.
+        pending: list[int] = []
+        if after is None:
+            # Catch up on committed tokens the cache lacks (e.g. the last draft token and
+            # the bonus token after an all-accepted step), then draft one token per forward.
+            seen, cached = self._window(tokens)
+            pending = list(seen[cached:])
         with self._scoring(tokens):
-            drafted, dists = self._draft_tokens(list(seen[cached:]), k, sampling, generator, reach, handoff)
+            drafted, dists = self._draft_tokens(pending, k, sampling, generator, reach, handoff, after)
         return Draft(
             tokens=drafted,
             probs=torch.stack(dists),
@@ -425,6 +433,28 @@ class ModelDrafter:
             source=DraftSource.MODEL,
             requested=k,
         )
+
+    def check(self, tokens: Sequence[int], proposal: Sequence[int]) -> tuple[int, torch.Tensor]:
+        """Read `proposal` after `tokens` in one forward: how many of its leading tokens are
+        the draft's own greedy choice, and the logits that follow those (staged speculative
+        decoding, Spector & Re 2023: the draft checks the copies it must read anyway).
+
+        The cache then holds `tokens` and the agreed tokens, so `propose(..., after=logits)`
+        drafts on from the first disagreement with the draft's own token."""
+        self._confidences = []
+        self._forward_times = []
+        seen, cached = self._window(tokens)
+        pending = [*seen[cached:], *proposal]
+        start = time.perf_counter()
+        with self._scoring(tokens):
+            logits = self._fit_vocab(self.runner.forward(pending, logits_to_keep=len(proposal) + 1))
+        guesses = logits.argmax(-1).tolist()  # [len(proposal) + 1]
+        self._forward_times.append((len(pending), time.perf_counter() - start))
+        kept = 0
+        while kept < len(proposal) and guesses[kept] == proposal[kept]:
+            kept += 1
+        self.runner.crop(len(seen) + kept)
+        return kept, logits[kept]
 
     def _scoring(self, tokens: Sequence[int]) -> contextlib.AbstractContextManager[None]:
         if self.tiers is None:
@@ -439,21 +469,27 @@ class ModelDrafter:
         generator: torch.Generator | None,
         reach: float,
         handoff: Callable[[Sequence[int]], bool] | None,
+        after: torch.Tensor | None = None,
     ) -> tuple[list[int], list[torch.Tensor]]:
         """Tokens and their draft distributions, one forward each from `pending` (the tokens
-        the cache lacks), until k or an early stop."""
+        the cache lacks; none where `after` holds the first token's logits), until k or an
+        early stop."""
         drafted: list[int] = []
         dists: list[torch.Tensor] = []
         for _ in range(k):
             forward_start = time.perf_counter()
-            logits = self._fit_vocab(self.runner.forward(pending, logits_to_keep=1)[-1])
+            if after is None:
+                logits = self._fit_vocab(self.runner.forward(pending, logits_to_keep=1)[-1])
+            else:
+                logits, after = after, None
             probs = sampling.probs(logits)
             # One pass for both: a separate argmax over a whole vocabulary costs a noticeable
             # share of a draft's forward on a CPU. Softmax keeps the logits' order (bar
             # ties from rounding, which could change only the draft's guess, never the output).
             top, top_index = probs.max(-1)
             confidence = float(top)  # reading it waits for an accelerator's kernels
-            self._forward_times.append((len(pending), time.perf_counter() - forward_start))
+            if pending:
+                self._forward_times.append((len(pending), time.perf_counter() - forward_start))
             chance = self.calibration.accept_chance(confidence)
             # Its forward is paid; the token is still not worth the verify's extra position.
             if drafted and self.early_stop and reach * chance < self._break_even(forward=False):
@@ -483,13 +519,15 @@ class ModelDrafter:
         return (draft_forward + self.costs.verify_slope()) / t_step
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits [..., V] over the target's vocabulary."""
         v = self.vocab_size
         if v is None or logits.shape[-1] == v:
             return logits
         if logits.shape[-1] > v:
-            return logits[:v]
-        pad = torch.full((v - logits.shape[-1],), float("-inf"), dtype=logits.dtype, device=logits.device)
-        return torch.cat([logits, pad])
+            return logits[..., :v]
+        shape = (*logits.shape[:-1], v - logits.shape[-1])
+        pad = torch.full(shape, float("-inf"), dtype=logits.dtype, device=logits.device)
+        return torch.cat([logits, pad], dim=-1)
 
 
 @dataclass
@@ -520,11 +558,16 @@ class LookupThenModelDrafter:
     the match (its length, the tokens found), each source's measured acceptance and
     cost, and drafts copies, model tokens, or a short copied run extended by the model.
     Lookup needs a match of at least 2 tokens: a 1-token match is mostly chance.
+
+    `cascade`: under greedy decoding a step the policy gives copies is a cascade (`_cascade`):
+    the model reads every copy found in one forward, keeps them up to its first
+    disagreement and drafts on from there with its own token.
     """
 
-    def __init__(self, model: ModelDrafter, lookup: Lookup | None = None) -> None:
+    def __init__(self, model: ModelDrafter, lookup: Lookup | None = None, cascade: bool = False) -> None:
         self.model = model
         self.lookup_drafter: Lookup = lookup or NgramDrafter(max_ngram=4, min_ngram=2)
+        self.cascade = cascade
         self.name = f"{self.lookup_drafter.name}+{model.name}"
         self.policy = SourcePolicy(CostModel())
         self._step = _Step(PLAIN, 0, [])
@@ -563,6 +606,8 @@ class LookupThenModelDrafter:
         found, n = self.lookup_drafter.match(tokens, budget)
         choice = self.policy.choose(budget, n, len(found), self.model.seconds_per_token(), sampling.greedy)
         self._step = _Step(choice, n, found)
+        if self.cascade and sampling.greedy and choice.lookup_tokens:
+            return self._cascade(tokens, budget, sampling, generator, start)
         copied = found[: choice.lookup_tokens]
         if not choice.model_tokens:
             source = DraftSource.LOOKUP if copied else DraftSource.NONE
@@ -594,6 +639,48 @@ class LookupThenModelDrafter:
             source=source,
             requested=choice.total,
             copied=len(copied),
+            resumed=len(resumed),
+        )
+
+    def _cascade(
+        self,
+        tokens: Sequence[int],
+        budget: int,
+        sampling: SamplingParams,
+        generator: torch.Generator | None,
+        start: float,
+    ) -> Draft:
+        """Every copy found, checked by the model in one forward (`ModelDrafter.check`): the
+        copies it agrees with, then its own tokens from the first disagreement on.
+
+        Greedy only: a copy the draft's argmax rejects is most likely rejected by the target
+        too, and the draft's token at that position is free (the check computed it). So
+        the copies run as long as the match offers, and a copy that breaks early costs no
+        verify rows past the break. The target verifies every token, so exactness holds."""
+        step = self._step
+        if self.policy.pinned is not None:  # a pinned k holds for the whole draft
+            budget = step.choice.total
+        kept, after = self.model.check(tokens, step.found[:budget])
+        copied = step.found[:kept]
+        step.choice = Choice(kept, max(step.choice.model_tokens, 1))
+        context = [*tokens, *copied]
+
+        def resume(drafted: Sequence[int]) -> bool:
+            return self._resume(context, drafted, budget)
+
+        reach = self.policy.lookup_survival(step.match_n, kept)
+        limit = min(self.model.run_limit(step.choice.model_tokens, budget - kept), budget - kept)
+        extension = self.model.propose(context, limit, sampling, generator, reach, resume, after=after)
+        resumed = step.resumed
+        source = DraftSource.MODEL_LOOKUP if resumed else DraftSource.CASCADE
+        return Draft(
+            tokens=copied + extension.tokens + resumed,
+            probs=None,  # greedy: the verdict compares tokens only
+            seconds=time.perf_counter() - start,
+            forwards=extension.forwards + 1,
+            source=source if extension.tokens or kept else DraftSource.NONE,
+            requested=step.choice.total,
+            copied=kept,
             resumed=len(resumed),
         )
 

@@ -102,8 +102,9 @@ def auto_drafter(model: ModelDrafter) -> LookupThenModelDrafter:
     """What a model draft means: prompt lookup and the model, the best of them each step
     (free copies of the conversation where they pay), exact either way (docs/engine.md#drafters).
     Prompt lookup rather than the suffix index: the interleaved A/B on held-out rewrite turns
-    gave the suffix index no gain (docs/engine.md, "Copies from a suffix index")."""
-    return LookupThenModelDrafter(model)
+    gave the suffix index no gain (docs/engine.md, "Copies from a suffix index"). Under
+    greedy decoding the model checks the copies first (the cascade: docs/engine.md#drafters)."""
+    return LookupThenModelDrafter(model, cascade=True)
 
 
 def load_draft(

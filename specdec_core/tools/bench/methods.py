@@ -14,6 +14,9 @@ draws with the same temperature, top-k, top-p and seed, and texts are not compar
 - `ours-suffix`      our engine with the suffix-index drafter (model-free, `SuffixDrafter`);
 - `ours-suffix-draft` copies from the suffix index, else the draft model: `ours-auto` with the
                      suffix index in place of prompt lookup (an A/B of the two model-free sources);
+- `ours-ngram-draft` prompt lookup, else the draft model, copies unchecked (the A/B's base);
+- `ours-cascade`     prompt lookup whose copies the draft model checks first (greedy), else the
+                     draft model (`LookupThenModelDrafter(cascade=True)`, what `ours-auto` is now);
 - `ours-auto`        what the app uses by default (see `AUTO_DRAFTER`).
 
 The peer, llama.cpp's server on the same GGUF files, is in `llama_server`.
@@ -39,20 +42,24 @@ from ...errors import SpecdecError
 from ...kernels.cpu.threads import default_governor
 
 HF_METHODS = ("target", "hf-assisted", "hf-prompt-lookup")
-OUR_METHODS = ("ours-off", "ours-draft", "ours-ngram", "ours-suffix", "ours-suffix-draft", "ours-auto")
+OUR_METHODS = (
+    "ours-off", "ours-draft", "ours-ngram", "ours-suffix", "ours-suffix-draft", "ours-ngram-draft",
+    "ours-cascade", "ours-auto",
+)  # fmt: skip
 METHODS = HF_METHODS + OUR_METHODS
 LLAMA_SERVER = "llama-server"
 LLAMA_SERVER_DRAFT = "llama-server-draft"
 PEER_METHODS = (LLAMA_SERVER, LLAMA_SERVER_DRAFT)  # llama.cpp's server: built by `llama_server`
 ALL_METHODS = METHODS + PEER_METHODS
-DRAFT_MODEL_METHODS = frozenset({"hf-assisted", "ours-draft", "ours-suffix-draft"})
+DRAFT_MODEL_METHODS = frozenset({"hf-assisted", "ours-draft", "ours-suffix-draft", "ours-ngram-draft", "ours-cascade"})
 OURS_PREFIX = "ours-"
 BASELINE = "target"
 HF_ASSISTED = "hf-assisted"
 PROMPT_LOOKUP_TOKENS = 10  # the issue's setting (transformers' docs suggest 10 for input-grounded tasks)
 # What the app runs by default, named by drafter: prompt lookup when the text has a match
-# (free), else the draft model, each with adaptive k (`models.pair.auto_drafter`).
-AUTO_DRAFTER = "ngram+draft"
+# (free; under greedy decoding checked by the draft model first), else the draft model,
+# each with adaptive k (`models.pair.auto_drafter`).
+AUTO_DRAFTER = "cascade+draft"
 
 
 @dataclass(frozen=True)
@@ -240,8 +247,8 @@ def build_methods(
         if kind == "suffix":
             return SuffixDrafter()
         model = ModelDrafter(draft_model, name=draft_name, vocab_size=vocab_size)
-        if kind == "ngram+draft":
-            return LookupThenModelDrafter(model)
+        if kind in ("ngram+draft", "cascade+draft"):
+            return LookupThenModelDrafter(model, cascade=kind == "cascade+draft")
         return LookupThenModelDrafter(model, SuffixDrafter(min_match=2)) if kind == "suffix+draft" else model
 
     def engine_method(name: str, kind: str) -> EngineMethod:
@@ -268,6 +275,8 @@ def build_methods(
         "ours-ngram": lambda: engine_method("ours-ngram", "ngram"),
         "ours-suffix": lambda: engine_method("ours-suffix", "suffix"),
         "ours-suffix-draft": lambda: engine_method("ours-suffix-draft", "suffix+draft"),
+        "ours-ngram-draft": lambda: engine_method("ours-ngram-draft", "ngram+draft"),
+        "ours-cascade": lambda: engine_method("ours-cascade", "cascade+draft"),
         "ours-auto": lambda: engine_method("ours-auto", AUTO_DRAFTER),
     }
     return {name: factories[name]() for name in METHODS if name in names}
