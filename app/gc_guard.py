@@ -12,9 +12,10 @@ A full collection walks every tracked object, and after the imports (torch,
 transformers, Qt) and a model load there are hundreds of thousands: such a
 collection holds the UI thread for a few hundred milliseconds, a visible stutter
 when it lands in an answer (issue #57). So what is alive once a load has ended is
-collected once and frozen (`gc.freeze`): later collections walk only what was
-allocated since. A new load thaws it first, so that the pair it replaces can be
-collected.
+frozen (`gc.freeze`): later collections walk only what was allocated since. It is
+frozen without a collection first, which would be that same pause at "Ready": the few
+cycles the load left behind (small objects, no tensors) wait for the next load, which
+thaws everything so that the pair it replaces can be collected.
 """
 
 from __future__ import annotations
@@ -49,9 +50,8 @@ def collect_due() -> None:
 
 
 def freeze_long_lived() -> None:
-    """Collect everything once, then keep the survivors out of later collections: call on
-    the UI thread when a load has ended (its objects live as long as the pair)."""
-    gc.collect()
+    """Keep what is alive out of later collections: call on the UI thread when a load has
+    ended (its objects live as long as the pair)."""
     gc.freeze()
 
 
